@@ -1,0 +1,129 @@
+"""Engine configuration: EngineConfig = ModelConfig + CacheConfig + SchedulerConfig.
+
+Defaults live here and nowhere else. `EngineConfig.from_dict` takes one flat dict (the shape of a
+Triton model.json or CLI flags), rejects unknown keys and names the field, value and fix on error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.core.errors import ConfigError
+from pagedserve.core.validation import build_strict, check_range
+
+DTYPE_ALIASES = {
+    "auto": "auto",
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+}
+KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16", "int8", "fp8_e4m3", "fp8_e5m2")
+ATTENTION_BACKENDS = ("auto", "reference", "triton")
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = "default"
+    """A local Hugging Face directory, or "default" for the embedded SmolLM2-135M-Instruct."""
+    dtype: str = "auto"
+    """Weights and activations: auto (bf16 on GPU and on CPUs with AMX/AVX512-BF16, else fp32)."""
+    device: str = "auto"
+    """auto (cuda if available), cpu, cuda or cuda:N."""
+    max_model_len: int | None = None
+    """Longest prompt + output; defaults to the model's max_position_embeddings."""
+    attention_backend: str = "auto"
+    """auto (triton kernels on CUDA, reference on CPU), reference, triton."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("model: must name a local model directory or 'default'")
+        if self.dtype not in DTYPE_ALIASES:
+            raise ConfigError(f"dtype={self.dtype!r} is not supported; use one of {sorted(DTYPE_ALIASES)}")
+        object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"device={self.device!r} is not supported; use auto, cpu, cuda or cuda:N")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"attention_backend={self.attention_backend!r} is not supported; use one of {ATTENTION_BACKENDS}"
+            )
+        check_range(ConfigError, "max_model_len", self.max_model_len, 1)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_dtype: str = "auto"
+    """auto (the model dtype), fp32, bf16, fp16, int8, fp8_e4m3, fp8_e5m2."""
+    kv_cache_memory: int | None = None
+    """Bytes for the KV pool. Default: 2 GiB on CPU; on GPU, gpu_memory_utilization decides."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of free device memory (after loading weights) given to the KV pool on GPU."""
+    num_kv_blocks: int | None = None
+    """Exact number of KV blocks; overrides the memory budget (tests, reproducible benchmarks)."""
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        check_range(ConfigError, "block_size", self.block_size, 1, 1024)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one of {KV_CACHE_DTYPES}")
+        check_range(ConfigError, "kv_cache_memory", self.kv_cache_memory, 1)
+        check_range(ConfigError, "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
+        check_range(ConfigError, "num_kv_blocks", self.num_kv_blocks, 1)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    """Most requests running in one iteration."""
+    max_num_batched_tokens: int = 1024
+    """Token budget of one iteration: decodes (1 token each) plus prefill chunks."""
+    long_prefill_token_threshold: int | None = None
+    """Cap on one request's prefill chunk per step (None: only the token budget limits it)."""
+
+    def __post_init__(self) -> None:
+        check_range(ConfigError, "max_num_seqs", self.max_num_seqs, 1)
+        check_range(ConfigError, "max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_range(ConfigError, "long_prefill_token_threshold", self.long_prefill_token_threshold, 1)
+        if self.max_num_batched_tokens < self.max_num_seqs and self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens must be at least 1")
+
+
+_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def known_keys(cls) -> dict[str, str]:
+        """Flat key -> section name."""
+        return {f.name: sec for sec, sub in _SECTIONS.items() for f in dataclasses.fields(sub)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], what: str = "engine config") -> "EngineConfig":
+        """Build from one flat dict, e.g. {"model": "default", "block_size": 16, "max_num_seqs": 64}."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{what}: expected a JSON object, got {type(data).__name__}")
+        keys = cls.known_keys()
+        unknown = sorted(set(data) - set(keys))
+        if unknown:
+            raise ConfigError(
+                f"{what}: unknown key(s) {', '.join(map(repr, unknown))}; known keys: {', '.join(sorted(keys))}"
+            )
+        parts = {sec: {k: v for k, v in data.items() if keys[k] == sec} for sec in _SECTIONS}
+        return cls(**{sec: build_strict(_SECTIONS[sec], parts[sec], ConfigError, what) for sec in _SECTIONS})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for sec in _SECTIONS for k, v in dataclasses.asdict(getattr(self, sec)).items()}
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        """A copy with some flat keys changed (validated like from_dict)."""
+        return EngineConfig.from_dict({**self.to_dict(), **changes})

@@ -1,0 +1,37 @@
+"""Typed errors a caller can cause or observe.
+
+Adapters map each class once (HTTP status, TritonError code); see DESIGN.md rule 5.
+Every message names the field, the value and how to fix it.
+"""
+
+
+class PagedServeError(Exception):
+    """Base class for every error pagedserve raises on purpose."""
+
+
+class ConfigError(PagedServeError, ValueError):
+    """An engine setting is unknown, of the wrong type or out of range."""
+
+
+class ModelNotFound(PagedServeError, FileNotFoundError):
+    """The model path or the package carrying the default model is missing."""
+
+
+class UnsupportedModel(PagedServeError, ValueError):
+    """The checkpoint's architecture or a config option is not supported."""
+
+
+class InvalidRequest(PagedServeError, ValueError):
+    """A request parameter is unknown, of the wrong type or out of range."""
+
+
+class RequestTooLong(InvalidRequest):
+    """The prompt (plus max_tokens) does not fit in max_model_len or in the KV cache."""
+
+
+class DuplicateRequest(InvalidRequest):
+    """A request with the same request_id is still running."""
+
+
+class EngineDead(PagedServeError, RuntimeError):
+    """The engine hit an internal error; it serves nothing more until restarted."""

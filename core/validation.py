@@ -1,0 +1,100 @@
+"""Strict construction of frozen dataclasses from untrusted dicts.
+
+Shared by EngineConfig and SamplingParams so every adapter gets the same rules: unknown keys are
+rejected with the list of known ones, and wrong types name the field, the value and the type wanted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(field: str, value: Any, tp: Any, error_cls: type[Exception]) -> Any:
+    """Return `value` as type `tp`, or raise error_cls naming the field. Only lossless coercions."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(field, value, arg, error_cls)
+            except error_cls as exc:
+                errors.append(exc)
+        raise errors[0]
+    if origin in (tuple, list):
+        (item_tp, *_rest) = typing.get_args(tp) or (Any,)
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise error_cls(f"{field}: expected a list, got {value!r} ({type(value).__name__})")
+        return tuple(_coerce(f"{field}[{i}]", v, item_tp, error_cls) for i, v in enumerate(value))
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise error_cls(f"{field}: expected true or false, got {value!r} ({type(value).__name__})")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise error_cls(f"{field}: expected an integer, got {value!r} ({type(value).__name__})")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise error_cls(f"{field}: expected a number, got {value!r} ({type(value).__name__})")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise error_cls(f"{field}: expected a string, got {value!r} ({type(value).__name__})")
+    raise TypeError(f"no coercion for {field}: {_type_name(tp)}")  # a bug in the dataclass, not input
+
+
+def build_strict(cls: type[T], data: Mapping[str, Any], error_cls: type[Exception], what: str) -> T:
+    """Construct dataclass `cls` from `data`, rejecting unknown keys and wrong types."""
+    if not isinstance(data, Mapping):
+        raise error_cls(f"{what}: expected an object/dict, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise error_cls(
+            f"{what}: unknown key(s) {', '.join(map(repr, unknown))}; known keys: {', '.join(sorted(fields))}"
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {name: _coerce(name, value, hints[name], error_cls) for name, value in data.items()}
+    return cls(**kwargs)
+
+
+def check_range(
+    error_cls: type[Exception],
+    field: str,
+    value: float | int | None,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    hint: str = "",
+) -> None:
+    """Raise error_cls if value is outside [low, high] (or (low, high] with low_open)."""
+    if value is None:
+        return
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and value > high
+    if too_low or too_high:
+        lo = "-inf" if low is None else low
+        hi = "inf" if high is None else high
+        rng = f"{'(' if low_open else '['}{lo}, {hi}]"
+        raise error_cls(f"{field}={value!r} is out of range: allowed {rng}{'; ' + hint if hint else ''}")
