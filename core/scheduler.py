@@ -1,0 +1,237 @@
+"""Token-budget scheduler: continuous batching and chunked prefill as one mechanism.
+
+Every request has num_computed_tokens catching up with num_tokens. Each iteration the scheduler
+gives running requests their next tokens first (a decode is 1 token, an unfinished prefill is a
+chunk), then admits waiting requests while the token budget, max_num_seqs and free blocks allow.
+When blocks run out, the most recently admitted running request is preempted by recompute: its
+blocks are freed and it goes back to the front of the waiting queue, keeping its output tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pagedserve.core.config import SchedulerConfig
+from pagedserve.core.kv_cache.manager import KVCacheManager
+from pagedserve.core.outputs import RequestOutput
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of an iteration; self-contained so the runner needs nothing else."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    """The tokens to compute this step: positions [start_position, start_position + len)."""
+    start_position: int
+    block_ids: tuple[int, ...]
+    sample: bool
+    """True when this step reaches the request's last known token, so a new token is sampled."""
+    sampling_params: SamplingParams
+    output_token_ids: tuple[int, ...]
+    """Tokens generated so far (for penalties); empty until the first sample."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    requests: tuple[ScheduledRequest, ...]
+    num_batched_tokens: int
+    preempted_request_ids: tuple[str, ...]
+    finished_request_ids: tuple[str, ...] = ()
+    """Requests that finished or were aborted since the previous step (the runner drops their state)."""
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks_used: int = 0
+    num_kv_blocks_free: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_total: int = 0
+    num_scheduled_tokens_last_step: int = 0
+    num_prompt_tokens_total: int = 0
+    """Prompt tokens of requests that reached their first output token (each prompt counted once)."""
+    num_computed_prompt_tokens_total: int = 0
+    """Prompt positions actually run through the model: prefix-cache hits excluded, recompute after
+    preemption included. What prefix caching saves shows here."""
+    num_generation_tokens_total: int = 0
+    num_steps_total: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_last_step: list[str] = []
+        self.stats = SchedulerStats()
+
+    # -- requests in and out ---------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish a live request as aborted and free its blocks; None if it is not live."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return self._delta(request, ())
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one iteration -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_new: dict[str, int] = {}
+        preempted: list[Request] = []
+
+        # 1. Running requests first, in admission order, so decodes never wait behind prefills.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._num_tokens_to_compute(request, budget)
+            while self.kv.allocate_slots(request, n) is None:
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                preempted.append(victim)
+                num_new.pop(victim.request_id, None)
+                if victim is request:
+                    break
+            else:
+                num_new[request.request_id] = n
+                budget -= n
+                i += 1
+                continue
+            break  # the request itself was preempted: nothing after it is running
+
+        # 2. Admit waiting requests, unless this iteration already had to preempt.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = ([], 0)
+            if request.num_computed_tokens == 0:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            n = self._num_tokens_to_compute(request, budget, already=num_hit_tokens)
+            if self.kv.allocate_slots(request, n, hits) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens += num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_new[request.request_id] = n
+            budget -= n
+
+        scheduled = tuple(self._scheduled(r, num_new[r.request_id]) for r in self.running if r.request_id in num_new)
+        total = sum(num_new.values())
+        self.stats.num_scheduled_tokens_last_step = total
+        self.stats.num_steps_total += 1
+        finished, self._finished_since_last_step = tuple(self._finished_since_last_step), []
+        return SchedulerOutput(scheduled, total, tuple(r.request_id for r in preempted), finished)
+
+    def _num_tokens_to_compute(self, request: Request, budget: int, already: int = 0) -> int:
+        n = request.num_tokens - request.num_computed_tokens - already
+        if self.config.long_prefill_token_threshold is not None:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return max(min(n, budget), 0)
+
+    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=tuple(request.token_ids_slice(start, start + n)),
+            start_position=start,
+            block_ids=tuple(self.kv.get_block_ids(request.request_id)),
+            sample=start + n == request.num_tokens,
+            sampling_params=request.sampling_params,
+            output_token_ids=tuple(request.output_token_ids),
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.stats.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    # -- after the forward pass ----------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[RequestOutput]:
+        """Advance computed tokens, append sampled tokens, apply stop rules, free finished requests."""
+        outputs = []
+        for sched in scheduler_output.requests:
+            request = self.requests[sched.request_id]
+            n = len(sched.token_ids)
+            self.stats.num_computed_prompt_tokens_total += max(
+                0, min(request.num_prompt_tokens, sched.start_position + n) - sched.start_position
+            )
+            request.num_computed_tokens += n
+            if not sched.sample:
+                continue
+            token = sampled[sched.request_id]
+            if request.num_output_tokens == 0:
+                self.stats.num_prompt_tokens_total += request.num_prompt_tokens
+            request.output_token_ids.append(token)
+            self.stats.num_generation_tokens_total += 1
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            outputs.append(self._delta(request, (token,)))
+        self._refresh_stats()
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        self.kv.forget(request)
+        del self.requests[request.request_id]
+        self._finished_since_last_step.append(request.request_id)
+
+    @staticmethod
+    def _delta(request: Request, new_tokens: tuple[int, ...]) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_tokens,
+            finished=request.status.finished,
+            finish_reason=request.status.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    def _refresh_stats(self) -> None:
+        s = self.stats
+        s.num_running = len(self.running)
+        s.num_waiting = len(self.waiting)
+        s.num_kv_blocks_used = self.kv.pool.num_used_blocks
+        s.num_kv_blocks_free = self.kv.pool.num_free_blocks
+        s.kv_cache_usage = self.kv.usage
