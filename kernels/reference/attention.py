@@ -1,0 +1,202 @@
+"""Pure-torch paged-attention kernels: the CPU path of the engine and the oracle for Triton.
+
+Cache layout (shared with the Triton twins): ``key_cache`` / ``value_cache`` are
+``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous; token slot
+``s = block_id * block_size + offset`` is row ``s`` of the cache viewed as
+``[num_blocks * block_size, num_kv_heads, head_dim]``.
+
+Performance notes (2-core AVX2 CPU, measured; see the kernel docstrings):
+
+* Everything is gathered token-wise with ``index_select`` on the flattened cache and computed in
+  fp32 (fp32 GEMMs are several times faster than bf16 here, and the softmax must be fp32 anyway).
+* Decode rows (q_len == 1) are batched: sorted by the number of keys they read and cut into
+  groups of about ``_DECODE_GROUP_TOKENS`` gathered tokens. Sorting keeps padding small; small
+  groups keep the gathered K/V in cache and below glibc's mmap threshold (a fresh 40 MB buffer
+  per call costs more in page faults than the copy itself).
+* Prefill rows (q_len > 1) are few per step; each sequence gets one SDPA call with ``is_causal``
+  when there is no cached prefix and no window, else SDPA calls over tiles of query rows with an
+  explicit causal-with-offset mask (a tile only sees keys up to its last row). CPU SDPA needs
+  4-D operands to take its flash kernel; ``enable_gqa`` avoids repeating K/V per query head.
+* Padded key positions are clamped to a real slot of the same sequence, so stale or NaN values in
+  unused cache slots never reach the arithmetic (masked-out scores times NaN would still be NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["reshape_and_cache", "paged_attention"]
+
+# Gathered key tokens per decode group (rows * padded keys): 4096 tokens of SmolLM2-sized K/V
+# (3 kv heads x 64 x fp32) is 3 MiB per tensor. 2048..4096 measured best, 64k+ is 3x slower.
+_DECODE_GROUP_TOKENS = 4096
+# Query rows per SDPA call when a prefill chunk follows a cached prefix: an explicit mask stops
+# SDPA from skipping the masked upper triangle, so tiling the rows skips most of it instead.
+_PREFILL_QUERY_TILE = 128
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_cache(key_cache: Tensor, value_cache: Tensor) -> None:
+    assert key_cache.dim() == 4, f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(key_cache.shape)}"
+    assert value_cache.shape == key_cache.shape, f"value_cache {tuple(value_cache.shape)} != key_cache {tuple(key_cache.shape)}"
+    assert value_cache.dtype == key_cache.dtype, f"cache dtypes differ: {key_cache.dtype} vs {value_cache.dtype}"
+    assert key_cache.is_contiguous() and value_cache.is_contiguous(), "KV caches must be contiguous"
+
+
+def reshape_and_cache(
+    key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    """Store this step's K/V into the paged caches, in place.
+
+    key, value:   [num_tokens, num_kv_heads, head_dim], any float dtype (cast to the cache dtype).
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, same dtype.
+    slot_mapping: int64 [num_tokens]; token i goes to slot ``slot_mapping[i]`` =
+                  ``block_id * block_size + offset_in_block``. Slots must be unique and in range
+                  (no negative "skip" slots); every other slot is left untouched.
+    """
+    _check_cache(key_cache, value_cache)
+    _, _, num_kv_heads, head_dim = key_cache.shape
+    assert key.dim() == 3 and key.shape[1:] == (num_kv_heads, head_dim), (
+        f"key must be [num_tokens, {num_kv_heads}, {head_dim}], got {tuple(key.shape)}")
+    assert value.shape == key.shape, f"value {tuple(value.shape)} != key {tuple(key.shape)}"
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (key.shape[0],), (
+        f"slot_mapping must be int64 [{key.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    # view() (not flatten/reshape) so a layout that cannot be written through fails loudly.
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def paged_attention(
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    sliding_window: int | None = None,
+) -> Tensor:
+    """Causal attention of a packed varlen batch over the paged KV cache.
+
+    query:           [num_tokens, num_heads, head_dim]; num_heads = num_kv_heads * group (GQA).
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, same dtype.
+    block_table:     int32 [B, max_blocks_per_seq]; entries past a sequence's blocks are ignored.
+    query_start_loc: int32 [B + 1]; sequence b owns query rows query_start_loc[b]:query_start_loc[b+1]
+                     (q_len may be 0). query_start_loc[B] == num_tokens.
+    seq_lens:        int32 [B]; tokens of sequence b in the cache, this step's included. Query row q
+                     of sequence b sits at position seq_lens[b] - q_len_b + q and attends to cache
+                     positions [0, pos], or (pos - sliding_window, pos] with a window.
+    max_query_len, max_seq_len: batch maxima (validated here; the Triton twin sizes its grid by them).
+    Returns [num_tokens, num_heads, head_dim] in query's dtype; scores and softmax in fp32.
+    """
+    _check_cache(key_cache, value_cache)
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    assert query.dim() == 3 and query.shape[2] == head_dim and query.shape[1] % num_kv_heads == 0, (
+        f"query must be [num_tokens, k * {num_kv_heads}, {head_dim}], got {tuple(query.shape)}")
+    assert query.dtype in _FLOAT_DTYPES, f"query dtype {query.dtype} not supported"
+    num_seqs = seq_lens.shape[0]
+    assert block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == num_seqs, (
+        f"block_table must be int32 [{num_seqs}, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
+    assert query_start_loc.dtype == torch.int32 and query_start_loc.shape == (num_seqs + 1,), (
+        f"query_start_loc must be int32 [{num_seqs + 1}], got {query_start_loc.dtype} {tuple(query_start_loc.shape)}")
+    assert seq_lens.dtype == torch.int32 and seq_lens.dim() == 1, f"seq_lens must be int32 [B], got {seq_lens.dtype}"
+    assert sliding_window is None or sliding_window > 0, f"sliding_window must be positive, got {sliding_window}"
+
+    # The CPU path reads the (tiny) metadata on the host; the Triton twin never does.
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [starts[b + 1] - starts[b] for b in range(num_seqs)]
+    assert starts[0] == 0 and starts[-1] == query.shape[0], "query_start_loc must run from 0 to num_tokens"
+    assert all(0 <= q <= s for q, s in zip(q_lens, lens)), "need 0 <= q_len <= seq_len for every sequence"
+    assert max(q_lens, default=0) <= max_query_len, f"max_query_len={max_query_len} < {max(q_lens)}"
+    assert max(lens, default=0) <= max_seq_len, f"max_seq_len={max_seq_len} < {max(lens)}"
+    assert max_seq_len <= block_table.shape[1] * block_size, (
+        f"block_table holds {block_table.shape[1]} blocks of {block_size}, max_seq_len is {max_seq_len}")
+
+    out = torch.empty_like(query)
+    k_flat = key_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = value_cache.view(-1, num_kv_heads, head_dim)
+    decodes = [b for b in range(num_seqs) if q_lens[b] == 1]
+    if decodes:
+        _decode_attention(query, k_flat, v_flat, block_table, block_size, starts, lens, decodes,
+                          scale, sliding_window, out)
+    for b in range(num_seqs):
+        if q_lens[b] > 1:
+            _prefill_attention(query, k_flat, v_flat, block_table[b], block_size, starts[b], q_lens[b],
+                               lens[b], scale, sliding_window, out)
+    return out
+
+
+def _slots(block_table: Tensor, block_size: int, positions: Tensor) -> Tensor:
+    """Cache slots (int64) of token ``positions`` ([..., L]) through ``block_table`` rows ([..., max_blocks])."""
+    blocks = torch.gather(block_table, -1, positions // block_size).long()
+    return blocks * block_size + positions % block_size
+
+
+def _decode_attention(query, k_flat, v_flat, block_table, block_size, starts, lens, decodes,
+                      scale, sliding_window, out) -> None:
+    """One query row per sequence: batched gather + one SDPA per group of similar-length rows."""
+    num_kv_heads, head_dim = k_flat.shape[1:]
+    group = query.shape[1] // num_kv_heads
+    # Keys each row reads: its whole context, or the last `sliding_window` positions.
+    n_keys = {b: lens[b] if sliding_window is None else min(lens[b], sliding_window) for b in decodes}
+    order = sorted(decodes, key=n_keys.__getitem__, reverse=True)
+    device = query.device
+    i = 0
+    while i < len(order):
+        width = n_keys[order[i]]  # longest in this group, since sorted descending
+        rows = order[i:i + max(1, _DECODE_GROUP_TOKENS // width)]
+        i += len(rows)
+        seq_idx, q_rows, last, n = torch.tensor(
+            [rows, [starts[b] for b in rows], [lens[b] - 1 for b in rows], [n_keys[b] for b in rows]],
+            dtype=torch.long, device=device)
+        last, n = last[:, None], n[:, None]
+        offs = torch.arange(width, device=device)[None, :]
+        # Padded columns clamp to the row's last real position: finite data, masked out below.
+        positions = torch.minimum(last - n + 1 + offs, last)
+        slots = _slots(block_table.index_select(0, seq_idx), block_size, positions).view(-1)
+        k = k_flat.index_select(0, slots).view(len(rows), width, num_kv_heads, head_dim)
+        v = v_flat.index_select(0, slots).view(len(rows), width, num_kv_heads, head_dim)
+        # [G, Hkv, group, D]: the group's heads become the query-length axis, so K/V are not repeated.
+        q = query.index_select(0, q_rows).view(len(rows), num_kv_heads, group, head_dim)
+        ragged = n_keys[rows[-1]] < width
+        mask = (offs < n)[:, None, None, :] if ragged else None
+        o = F.scaled_dot_product_attention(
+            q.float(), k.float().transpose(1, 2), v.float().transpose(1, 2), attn_mask=mask, scale=scale)
+        out.index_copy_(0, q_rows, o.reshape(len(rows), -1, head_dim).to(out.dtype))
+
+
+def _prefill_attention(query, k_flat, v_flat, block_row, block_size, q_start, q_len, seq_len,
+                       scale, sliding_window, out) -> None:
+    """Several query rows of one sequence (a prompt or a prefill chunk after a cached prefix)."""
+    context = seq_len - q_len  # tokens cached before this step
+    # First key any query row can see; positions before it are never gathered.
+    kv_start = 0 if sliding_window is None else max(0, context + 1 - sliding_window)
+    key_pos = torch.arange(kv_start, seq_len, device=query.device)
+    slots = _slots(block_row, block_size, key_pos)
+    # 4-D operands: 3-D ones send CPU SDPA down its slow math path (measured ~6x slower).
+    k = k_flat.index_select(0, slots).float().transpose(0, 1)[None]  # [1, Hkv, n, D]
+    v = v_flat.index_select(0, slots).float().transpose(0, 1)[None]
+    q = query[q_start:q_start + q_len].float().transpose(0, 1)[None]  # [1, H, q_len, D]
+    if context == 0 and sliding_window is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        out[q_start:q_start + q_len] = o[0].transpose(0, 1).to(out.dtype)
+        return
+    q_pos = torch.arange(context, seq_len, device=query.device)[:, None]
+    mask = key_pos[None, :] <= q_pos
+    if sliding_window is not None:
+        mask &= key_pos[None, :] > q_pos - sliding_window
+    for i0 in range(0, q_len, _PREFILL_QUERY_TILE):
+        i1 = min(q_len, i0 + _PREFILL_QUERY_TILE)
+        # Keys this tile can see: from its first row's window start up to its last row.
+        lo = 0 if sliding_window is None else max(0, context + i0 + 1 - sliding_window) - kv_start
+        hi = context + i1 - kv_start
+        o = F.scaled_dot_product_attention(
+            q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask[i0:i1, lo:hi],
+            scale=scale, enable_gqa=True)
+        out[q_start + i0:q_start + i1] = o[0].transpose(0, 1).to(out.dtype)
