@@ -1,0 +1,101 @@
+"""The `pagedserve` command line. Arguments are parsed in main(); nothing runs at import.
+
+  pagedserve generate [--model default] [--prompt TEXT ...] [--max-tokens N] [--temperature T]
+
+Platform subcommands (triton, kserve) are added by their adapters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+DEFAULT_PROMPTS = (
+    "What is a paged KV cache?",
+    "Write a haiku about batching.",
+    "Name three primary colors.",
+)
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help='local HF directory, or "default" (embedded SmolLM2-135M)')
+    p.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16, float16")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache pool")
+    p.add_argument("--engine-config", default=None, help="JSON file of engine settings (flags override it)")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from pagedserve.core.config import EngineConfig
+
+    data = {}
+    if args.engine_config:
+        with open(args.engine_config) as f:
+            data = json.load(f)
+    for key in ("model", "dtype", "block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
+        value = getattr(args, key)
+        if value is not None:
+            data[key] = value
+    return EngineConfig.from_dict(data)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pagedserve.core.engine import LLMEngine
+    from pagedserve.core.sampling_params import SamplingParams
+
+    engine = LLMEngine(engine_config_from_args(args))
+    prompts = args.prompt or list(DEFAULT_PROMPTS)
+    if not args.raw:
+        prompts = [
+            engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                 add_generation_prompt=True)
+            if engine.tokenizer.chat_template else p
+            for p in prompts
+        ]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    start = time.perf_counter()
+    results = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    shown = args.prompt or list(DEFAULT_PROMPTS)
+    for prompt, res in zip(shown, results):
+        print(f"### {prompt}\n{res.text.strip()}\n[{len(res.token_ids)} tokens, finish_reason={res.finish_reason}]\n")
+    n = sum(len(r.token_ids) for r in results)
+    print(f"{len(results)} requests, {n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tokens/s) "
+          f"on {engine.device} in {str(engine.dtype).removeprefix('torch.')}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text offline for a few prompts")
+    _engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable); defaults to three examples")
+    gen.add_argument("--raw", action="store_true", help="send prompts as-is, without the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    from pagedserve.core.errors import PagedServeError
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except PagedServeError as exc:
+        print(f"pagedserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

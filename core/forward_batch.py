@@ -1,0 +1,32 @@
+"""ForwardBatch: everything one forward pass needs, passed explicitly to every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    """A packed varlen batch: the scheduled tokens of B requests laid end to end (no padding).
+
+    input_ids, positions, slot_mapping: [num_tokens]; query_start_loc: int32 [B + 1];
+    seq_lens: int32 [B], tokens in the cache after this step; block_table: int32 [B, max_blocks];
+    logits_indices: int64 [num_sampled], the rows whose logits are needed (each request's last
+    token when it samples). max_query_len / max_seq_len are host ints so kernels never sync.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    logits_indices: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]

@@ -1,0 +1,96 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) over a packed batch.
+
+Plain PyTorch in the manner of gpt-fast: weights are tensors, forward is a few lines per block.
+q/k/v and gate/up projections are fused into one matmul each at load time (fewer, larger GEMMs).
+Attention goes through the kernel pair chosen at start-up (reference on CPU, Triton on CUDA):
+store this step's K/V through slot_mapping, then attend through block_table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.core.forward_batch import ForwardBatch
+from pagedserve.core.layers.norm import rms_norm
+from pagedserve.core.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedserve.core.models.arch import ModelArch
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class KVCacheTensors:
+    """One layer's paged cache: [num_blocks, block_size, num_kv_heads, head_dim] each."""
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+
+
+class LlamaDecoder:
+    def __init__(self, arch: ModelArch, embed: torch.Tensor, layers: list[LayerWeights],
+                 norm: torch.Tensor, lm_head: torch.Tensor, max_position: int,
+                 attention: ModuleType) -> None:
+        self.arch = arch
+        self.embed = embed
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        self.attention = attention
+        self.dtype = embed.dtype
+        self.device = embed.device
+        self.rotary = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling, embed.device)
+        self.scale = arch.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_caches: list[KVCacheTensors]) -> torch.Tensor:
+        """Logits [num_sampled, vocab] (fp32) for batch.logits_indices."""
+        h = F.embedding(batch.input_ids, self.embed)
+        cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)
+        for i, (w, kv) in enumerate(zip(self.layers, kv_caches)):
+            h = h + self._attention(rms_norm(h, w.input_norm, self.arch.rms_norm_eps), w, kv, batch, cos, sin, i)
+            h = h + self._mlp(rms_norm(h, w.post_norm, self.arch.rms_norm_eps), w)
+        h = rms_norm(h[batch.logits_indices], self.norm, self.arch.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    def _attention(self, x: torch.Tensor, w: LayerWeights, kv: KVCacheTensors, batch: ForwardBatch,
+                   cos: torch.Tensor, sin: torch.Tensor, layer: int) -> torch.Tensor:
+        a = self.arch
+        n = x.shape[0]
+        qkv = F.linear(x, w.qkv, w.qkv_bias)
+        q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], -1)
+        q = q.view(n, a.num_heads, a.head_dim)
+        k = k.view(n, a.num_kv_heads, a.head_dim)
+        v = v.view(n, a.num_kv_heads, a.head_dim)
+        if w.q_norm is not None:
+            q = rms_norm(q, w.q_norm, a.rms_norm_eps)
+            k = rms_norm(k, w.k_norm, a.rms_norm_eps)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        self.attention.reshape_and_cache(k, v, kv.key_cache, kv.value_cache, batch.slot_mapping)
+        o = self.attention.paged_attention(
+            q, kv.key_cache, kv.value_cache, batch.block_table, batch.query_start_loc, batch.seq_lens,
+            self.scale, batch.max_query_len, batch.max_seq_len, a.sliding_windows[layer],
+        )
+        return F.linear(o.reshape(n, a.num_heads * a.head_dim), w.o, w.o_bias)
+
+    def _mlp(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w.down, w.down_bias)

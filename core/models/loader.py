@@ -1,0 +1,87 @@
+"""Load a Llama-family checkpoint from a local Hugging Face directory (safetensors only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from safetensors import safe_open
+
+from pagedserve.core.errors import ModelNotFound, UnsupportedModel
+from pagedserve.core.models.arch import ModelArch
+from pagedserve.core.models.llama import LayerWeights, LlamaDecoder
+
+
+class _Checkpoint:
+    """Lazy name -> tensor access across all *.safetensors shards of a directory."""
+
+    def __init__(self, path: Path, dtype: torch.dtype, device: torch.device) -> None:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ModelNotFound(f"{path}: no *.safetensors files (pagedserve loads safetensors checkpoints only)")
+        self._where: dict[str, Path] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    self._where[name] = f
+        self._handles = {f: safe_open(str(f), framework="pt") for f in files}
+        self.dtype, self.device = dtype, device
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise UnsupportedModel(f"checkpoint has no tensor {name!r}; is this a Llama-family model?")
+        self.used.add(name)
+        return self._handles[self._where[name]].get_tensor(name).to(device=self.device, dtype=self.dtype)
+
+    def maybe(self, name: str) -> torch.Tensor | None:
+        return self.get(name) if self.has(name) else None
+
+    def unused(self) -> list[str]:
+        return sorted(set(self._where) - self.used)
+
+
+def _cat(*parts: torch.Tensor | None) -> torch.Tensor | None:
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        raise UnsupportedModel("checkpoint has biases on some but not all of q/k/v (or gate/up)")
+    return torch.cat(parts, dim=0).contiguous()
+
+
+def load_decoder(path: Path, arch: ModelArch, dtype: torch.dtype, device: torch.device,
+                 max_position: int, attention: ModuleType) -> LlamaDecoder:
+    ckpt = _Checkpoint(path, dtype, device)
+    layers = []
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        layers.append(LayerWeights(
+            input_norm=ckpt.get(p + "input_layernorm.weight"),
+            qkv=_cat(*(ckpt.get(f"{attn}{x}_proj.weight") for x in "qkv")),
+            qkv_bias=_cat(*(ckpt.maybe(f"{attn}{x}_proj.bias") for x in "qkv")),
+            o=ckpt.get(attn + "o_proj.weight"),
+            o_bias=ckpt.maybe(attn + "o_proj.bias"),
+            q_norm=ckpt.get(attn + "q_norm.weight") if arch.qk_norm else None,
+            k_norm=ckpt.get(attn + "k_norm.weight") if arch.qk_norm else None,
+            post_norm=ckpt.get(p + "post_attention_layernorm.weight"),
+            gate_up=_cat(ckpt.get(mlp + "gate_proj.weight"), ckpt.get(mlp + "up_proj.weight")),
+            gate_up_bias=_cat(ckpt.maybe(mlp + "gate_proj.bias"), ckpt.maybe(mlp + "up_proj.bias")),
+            down=ckpt.get(mlp + "down_proj.weight"),
+            down_bias=ckpt.maybe(mlp + "down_proj.bias"),
+        ))
+    embed = ckpt.get("model.embed_tokens.weight")
+    if arch.tie_word_embeddings or not ckpt.has("lm_head.weight"):
+        lm_head = embed
+    else:
+        lm_head = ckpt.get("lm_head.weight")
+    norm = ckpt.get("model.norm.weight")
+    # Rotary inverse-frequency buffers some exporters save are recomputed from the config.
+    leftovers = [n for n in ckpt.unused() if not n.endswith("rotary_emb.inv_freq") and n != "lm_head.weight"]
+    if leftovers:
+        raise UnsupportedModel(f"checkpoint tensors not understood: {leftovers[:5]} (total {len(leftovers)})")
+    return LlamaDecoder(arch, embed, layers, norm, lm_head, max_position, attention)
