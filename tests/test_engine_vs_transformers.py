@@ -1,0 +1,138 @@
+"""Greedy token ids equal transformers generate() across every engine toggle (DESIGN rule 2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oracle import hf_greedy
+from pagedserve.core.config import EngineConfig
+from pagedserve.core.engine import LLMEngine
+from pagedserve.core.sampling_params import SamplingParams
+
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
+
+
+def make_engine(path, **overrides) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_dict({"model": str(path), "dtype": "float32", **overrides}))
+
+
+def random_prompts(n: int, low: int, high: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()
+    return [torch.randint(1, 384, (length,), generator=g).tolist() for length in lengths]
+
+
+def assert_all_free(engine: LLMEngine) -> None:
+    engine.kv_cache_manager.check_invariants()
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache_manager.pool.num_free_blocks == engine.num_kv_blocks
+
+
+def run_staggered(engine: LLMEngine, prompts, max_tokens: list[int], arrivals: list[int]) -> dict[str, list[int]]:
+    """Add request i at step arrivals[i]; step until everything finished; return tokens per id."""
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    pending = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    max_running = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and arrivals[pending[0]] <= step:
+            i = pending.pop(0)
+            engine.add_request(f"r{i}", prompts[i], SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True))
+            tokens[f"r{i}"] = []
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        max_running = max(max_running, engine.stats.num_running)
+        engine.kv_cache_manager.check_invariants()
+        step += 1
+    return tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("block_size,budget", [(1, 64), (16, 37), (16, 2048)])
+def test_greedy_matches_transformers(tiny_model_dir, family, block_size, budget):
+    """Batches of different lengths arriving together; budget 37 cuts prompts mid-block."""
+    path = tiny_model_dir(family)
+    engine = make_engine(path, block_size=block_size, max_num_batched_tokens=budget)
+    prompts = random_prompts(6, 3, 70, seed=FAMILIES.index(family) * 100 + block_size)
+    results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    for prompt, res in zip(prompts, results):
+        assert list(res.token_ids) == hf_greedy(path, prompt, 20), f"prompt of {len(prompt)} tokens"
+        assert res.finish_reason == "length"
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_forty_requests_arriving_at_different_steps(tiny_model_dir, family):
+    path = tiny_model_dir(family)
+    engine = make_engine(path, block_size=16, max_num_batched_tokens=96, max_num_seqs=24)
+    prompts = random_prompts(40, 1, 90, seed=7)
+    g = torch.Generator().manual_seed(3)
+    max_tokens = torch.randint(1, 25, (40,), generator=g).tolist()
+    arrivals = torch.randint(0, 30, (40,), generator=g).tolist()
+    tokens = run_staggered(engine, prompts, max_tokens, arrivals)
+    for i, prompt in enumerate(prompts):
+        assert tokens[f"r{i}"] == hf_greedy(path, prompt, max_tokens[i]), f"request {i}"
+    assert engine.stats.num_preemptions_total == 0
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_preemption_keeps_outputs_unchanged(tiny_model_dir, family, block_size):
+    """A pool far too small for the batch forces preemption by recompute; outputs are unchanged."""
+    path = tiny_model_dir(family)
+    tokens_in_pool = 160
+    engine = make_engine(path, block_size=block_size, num_kv_blocks=tokens_in_pool // block_size,
+                         max_num_batched_tokens=64)
+    prompts = random_prompts(10, 20, 60, seed=11)
+    results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert engine.stats.num_preemptions_total > 0, "the scenario must force preemption"
+    for prompt, res in zip(prompts, results):
+        assert list(res.token_ids) == hf_greedy(path, prompt, 40)
+    assert_all_free(engine)
+
+
+def test_eos_stops_generation(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    engine = make_engine(path)
+    prompt = random_prompts(1, 10, 10, seed=5)[0]
+    expected = hf_greedy(path, prompt, 30)
+    eos = expected[7]  # pretend the 8th greedy token is EOS
+    engine.eos_token_id = eos
+    res = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30))[0]
+    first = expected.index(eos)
+    assert list(res.token_ids) == expected[: first + 1]
+    assert res.finish_reason == "stop"
+    assert_all_free(engine)
+
+
+def test_abort_frees_blocks_at_once(tiny_model_dir):
+    engine = make_engine(tiny_model_dir("llama"), block_size=4)
+    prompts = random_prompts(3, 30, 40, seed=2)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"a{i}", p, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    used = engine.kv_cache_manager.pool.num_used_blocks
+    out = engine.abort_request("a1")
+    assert out is not None and out.finished and out.finish_reason == "abort"
+    assert engine.kv_cache_manager.pool.num_used_blocks < used
+    engine.kv_cache_manager.check_invariants()
+    assert engine.abort_request("a1") is None
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_free(engine)
+
+
+def test_temperature_sampling_is_seeded_and_valid(tiny_model_dir):
+    engine = make_engine(tiny_model_dir("llama"))
+    prompts = random_prompts(4, 5, 30, seed=9)
+    params = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=123)
+    a = engine.generate(prompts, params)
+    b = engine.generate(prompts[:1], params)
+    assert a[0].token_ids == b[0].token_ids  # same seed, different batch: same tokens
+    assert all(0 <= t < engine.arch.vocab_size for r in a for t in r.token_ids)
+    greedy = engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert a[0].token_ids != greedy[0].token_ids or a[1].token_ids != a[2].token_ids
+    assert_all_free(engine)
