@@ -64,6 +64,11 @@ class SchedulerStats:
     preemption included. What prefix caching saves shows here."""
     num_generation_tokens_total: int = 0
     num_steps_total: int = 0
+    prefix_cache_queries_total: int = 0
+    """Prompt tokens looked up in the prefix cache."""
+    prefix_cache_hits_total: int = 0
+    """Of those, tokens served from cached blocks."""
+    num_evicted_blocks_total: int = 0
 
 
 class Scheduler:
@@ -92,6 +97,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._refresh_stats()
         return self._delta(request, ())
 
     def has_unfinished_requests(self) -> bool:
@@ -143,6 +149,7 @@ class Scheduler:
         self.stats.num_scheduled_tokens_last_step = total
         self.stats.num_steps_total += 1
         finished, self._finished_since_last_step = tuple(self._finished_since_last_step), []
+        self._refresh_stats()
         return SchedulerOutput(scheduled, total, tuple(r.request_id for r in preempted), finished)
 
     def _num_tokens_to_compute(self, request: Request, budget: int, already: int = 0) -> int:
@@ -235,3 +242,6 @@ class Scheduler:
         s.num_kv_blocks_used = self.kv.pool.num_used_blocks
         s.num_kv_blocks_free = self.kv.pool.num_free_blocks
         s.kv_cache_usage = self.kv.usage
+        s.prefix_cache_queries_total = self.kv.prefix_stats.queries
+        s.prefix_cache_hits_total = self.kv.prefix_stats.hits
+        s.num_evicted_blocks_total = self.kv.pool.num_evicted_blocks
