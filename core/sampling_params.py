@@ -1,8 +1,29 @@
 """SamplingParams: how one request is decoded. Frozen; `from_dict` is the one strict parser
-every adapter uses, so the same bad input gets the same error everywhere."""
+every adapter uses, so the same bad input gets the same error everywhere.
+
+Names and meanings follow vLLM / the OpenAI API. Allowed ranges (checked in __post_init__):
+
+    n                   [1, 128]          parallel samples of one prompt
+    temperature         [0, 100]          0 (or below 1e-5) means greedy
+    top_k               -1 or >= 0        0 and -1 disable it; larger than the vocabulary = disabled
+    top_p               (0, 1]
+    min_p               [0, 1]            relative to the most likely token's probability
+    repetition_penalty  (0, 100]          1 disables it (HF semantics, prompt + output tokens)
+    presence_penalty    [-2, 2]           OpenAI semantics, output tokens only
+    frequency_penalty   [-2, 2]
+    seed                64-bit integer    [-2**63, 2**64 - 1]
+    max_tokens          >= 1 or None      None: up to max_model_len
+    min_tokens          [0, max_tokens]
+    stop                <= 16 non-empty strings (from_dict also takes one string)
+    stop_token_ids      token ids >= 0
+    logprobs            None or [0, 20]   top-N per generated token; the sampled token is always reported
+    prompt_logprobs     None or [0, 20]
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,35 +31,86 @@ from pagedserve.core.errors import InvalidRequest
 from pagedserve.core.validation import build_strict, check_range
 
 _GREEDY_EPS = 1e-5
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+MAX_N = 128
+
+
+def _check_float(field: str, value: float, low: float, high: float, **kwargs: Any) -> None:
+    if not math.isfinite(value):  # NaN passes every comparison in check_range
+        raise InvalidRequest(f"{field}={value!r} is not a finite number")
+    check_range(InvalidRequest, field, value, low, high, **kwargs)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    n: int = 1
     temperature: float = 1.0
     """0 means greedy (argmax)."""
+    top_k: int = 0
+    """0 (or -1, stored as 0) disables top-k."""
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    """Per-request seed: the same tokens whatever else shares the batch."""
     max_tokens: int | None = 16
     """Most tokens to generate; None means up to max_model_len."""
     min_tokens: int = 0
-    ignore_eos: bool = False
-    seed: int | None = None
-    """Per-request seed: the same tokens whatever else shares the batch."""
+    """EOS and stop_token_ids cannot be sampled before this many output tokens."""
+    stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    """Top-N raw logprobs per generated token (0: only the sampled token's); None: none."""
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        check_range(InvalidRequest, "temperature", self.temperature, 0.0, 100.0)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        check_range(InvalidRequest, "n", self.n, 1, MAX_N)
+        _check_float("temperature", self.temperature, 0.0, 100.0, hint="use 0 for greedy")
+        check_range(InvalidRequest, "top_k", self.top_k, -1, hint="use 0 or -1 to disable top-k")
+        _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True, hint="use 1 to disable top-p")
+        _check_float("min_p", self.min_p, 0.0, 1.0, hint="use 0 to disable min-p")
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 100.0, low_open=True,
+                     hint="use 1 to disable it")
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        check_range(InvalidRequest, "seed", self.seed, -(2**63), 2**64 - 1, hint="use a 64-bit integer")
         check_range(InvalidRequest, "max_tokens", self.max_tokens, 1, hint="ask for at least one token")
         check_range(InvalidRequest, "min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise InvalidRequest(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}")
-        check_range(InvalidRequest, "seed", self.seed, -(2**63), 2**63 - 1)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        for tok in self.stop_token_ids:
-            check_range(InvalidRequest, "stop_token_ids", tok, 0)
+            raise InvalidRequest(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}; "
+                                 "lower min_tokens or raise max_tokens")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop has {len(stop)} strings; allowed at most {MAX_STOP_STRINGS}")
+        for i, s in enumerate(stop):
+            if not s:
+                raise InvalidRequest(f"stop[{i}]={s!r}: stop strings must be non-empty")
+        for i, tok in enumerate(self.stop_token_ids):
+            check_range(InvalidRequest, f"stop_token_ids[{i}]", tok, 0)
+        check_range(InvalidRequest, "logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        check_range(InvalidRequest, "prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if self.top_k == -1:  # vLLM's spelling of "disabled"; the sampler only tests top_k > 0
+            object.__setattr__(self, "top_k", 0)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
+    def from_dict(cls, data: Mapping[str, Any]) -> "SamplingParams":
+        # OpenAI's `stop` is "string, array or null"; the dataclass holds a tuple.
+        if isinstance(data, Mapping) and "stop" in data and (data["stop"] is None or isinstance(data["stop"], str)):
+            data = {**data, "stop": [] if data["stop"] is None else [data["stop"]]}
         return build_strict(cls, data, InvalidRequest, "sampling parameters")
