@@ -3,7 +3,8 @@
 Plain PyTorch in the manner of gpt-fast: weights are tensors, forward is a few lines per block.
 q/k/v and gate/up projections are fused into one matmul each at load time (fewer, larger GEMMs).
 Attention goes through the kernel pair chosen at start-up (reference on CPU, Triton on CUDA):
-store this step's K/V through slot_mapping, then attend through block_table.
+store this step's K/V through slot_mapping (quantizing on write for int8/fp8 caches), then attend
+through block_table (dequantizing on load).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.core.forward_batch import ForwardBatch
+from pagedserve.core.kv_cache.cache_tensors import KVCacheTensors  # noqa: F401  (re-exported)
 from pagedserve.core.layers.norm import rms_norm
 from pagedserve.core.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedserve.core.models.arch import ModelArch
@@ -34,14 +36,6 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
-
-
-@dataclass(slots=True)
-class KVCacheTensors:
-    """One layer's paged cache: [num_blocks, block_size, num_kv_heads, head_dim] each."""
-
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
 
 
 class LlamaDecoder:
@@ -84,10 +78,12 @@ class LlamaDecoder:
             k = rms_norm(k, w.k_norm, a.rms_norm_eps)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        self.attention.reshape_and_cache(k, v, kv.key_cache, kv.value_cache, batch.slot_mapping)
+        # Quantized caches: scales are written with the codes and read back inside the attention.
+        self.attention.reshape_and_cache(k, v, kv.key_cache, kv.value_cache, batch.slot_mapping,
+                                         kv.k_scale, kv.v_scale)
         o = self.attention.paged_attention(
             q, kv.key_cache, kv.value_cache, batch.block_table, batch.query_start_loc, batch.seq_lens,
-            self.scale, batch.max_query_len, batch.max_seq_len, a.sliding_windows[layer],
+            self.scale, batch.max_query_len, batch.max_seq_len, a.sliding_windows[layer], kv.k_scale, kv.v_scale,
         )
         return F.linear(o.reshape(n, a.num_heads * a.head_dim), w.o, w.o_bias)
 

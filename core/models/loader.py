@@ -45,6 +45,9 @@ class _Checkpoint:
         return sorted(set(self._where) - self.used)
 
 
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale")
+
+
 def _cat(*parts: torch.Tensor | None) -> torch.Tensor | None:
     if all(p is None for p in parts):
         return None
@@ -80,8 +83,9 @@ def load_decoder(path: Path, arch: ModelArch, dtype: torch.dtype, device: torch.
     else:
         lm_head = ckpt.get("lm_head.weight")
     norm = ckpt.get("model.norm.weight")
-    # Rotary inverse-frequency buffers some exporters save are recomputed from the config.
-    leftovers = [n for n in ckpt.unused() if not n.endswith("rotary_emb.inv_freq") and n != "lm_head.weight"]
+    # Rotary inverse-frequency buffers some exporters save are recomputed from the config; static
+    # KV-cache scales are read by core/kv_cache/cache_tensors.py.
+    leftovers = [n for n in ckpt.unused() if not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight"]
     if leftovers:
         raise UnsupportedModel(f"checkpoint tensors not understood: {leftovers[:5]} (total {len(leftovers)})")
     return LlamaDecoder(arch, embed, layers, norm, lm_head, max_position, attention)

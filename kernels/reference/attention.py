@@ -19,6 +19,9 @@ Performance notes (2-core AVX2 CPU, measured; see the kernel docstrings):
   4-D operands to take its flash kernel; ``enable_gqa`` avoids repeating K/V per query head.
 * Padded key positions are clamped to a real slot of the same sequence, so stale or NaN values in
   unused cache slots never reach the arithmetic (masked-out scores times NaN would still be NaN).
+* Quantized caches (int8, fp8; see pagedserve.kernels.kv_quant) are dequantized after the gather:
+  only the gathered tokens are ever widened to fp32, never the whole cache. Float caches take the
+  same path as before (gather, then ``.float()``), so quantization costs them nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from pagedserve.kernels.kv_quant import scale_mode
+from pagedserve.kernels.reference.quant import dequantize_kv, quantize_kv
 
 __all__ = ["reshape_and_cache", "paged_attention"]
 
@@ -47,15 +53,20 @@ def _check_cache(key_cache: Tensor, value_cache: Tensor) -> None:
 
 
 def reshape_and_cache(
-    key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor
+    key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor,
+    k_scale: Tensor | None = None, v_scale: Tensor | None = None,
 ) -> None:
-    """Store this step's K/V into the paged caches, in place.
+    """Store this step's K/V into the paged caches, in place (quantizing on write).
 
     key, value:   [num_tokens, num_kv_heads, head_dim], any float dtype (cast to the cache dtype).
-    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, same dtype.
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, same dtype:
+                  fp32/bf16/fp16, or int8/float8_e4m3fn/float8_e5m2 (quantized).
     slot_mapping: int64 [num_tokens]; token i goes to slot ``slot_mapping[i]`` =
                   ``block_id * block_size + offset_in_block``. Slots must be unique and in range
                   (no negative "skip" slots); every other slot is left untouched.
+    k_scale, v_scale: None for a float cache. For a quantized cache either fp32
+                  [num_blocks, block_size, num_kv_heads] (dynamic: this call writes the new tokens'
+                  scales at their slots) or fp32 0-dim (static per-tensor: read only).
     """
     _check_cache(key_cache, value_cache)
     _, _, num_kv_heads, head_dim = key_cache.shape
@@ -64,9 +75,19 @@ def reshape_and_cache(
     assert value.shape == key.shape, f"value {tuple(value.shape)} != key {tuple(key.shape)}"
     assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (key.shape[0],), (
         f"slot_mapping must be int64 [{key.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-    # view() (not flatten/reshape) so a layout that cannot be written through fails loudly.
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    mode = scale_mode(key_cache, k_scale, v_scale)
+    if mode == "none":
+        # view() (not flatten/reshape) so a layout that cannot be written through fails loudly.
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+        return
+    for x, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+        codes, new_scale = quantize_kv(x, cache.dtype, scale if mode == "static" else None)
+        # CPU index_copy_ has no fp8 kernel: move the codes as bytes (same size, same layout).
+        cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(
+            0, slot_mapping, codes.view(torch.uint8))
+        if mode == "dynamic":
+            scale.view(-1, num_kv_heads).index_copy_(0, slot_mapping, new_scale)
 
 
 def paged_attention(
@@ -80,6 +101,8 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     sliding_window: int | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of a packed varlen batch over the paged KV cache.
 
@@ -92,6 +115,8 @@ def paged_attention(
                      of sequence b sits at position seq_lens[b] - q_len_b + q and attends to cache
                      positions [0, pos], or (pos - sliding_window, pos] with a window.
     max_query_len, max_seq_len: batch maxima (validated here; the Triton twin sizes its grid by them).
+    k_scale, v_scale: as for reshape_and_cache (None for a float cache; per-slot or 0-dim for a
+                     quantized one); gathered K/V are dequantized as ``code * scale``.
     Returns [num_tokens, num_heads, head_dim] in query's dtype; scores and softmax in fp32.
     """
     _check_cache(key_cache, value_cache)
@@ -106,6 +131,7 @@ def paged_attention(
         f"query_start_loc must be int32 [{num_seqs + 1}], got {query_start_loc.dtype} {tuple(query_start_loc.shape)}")
     assert seq_lens.dtype == torch.int32 and seq_lens.dim() == 1, f"seq_lens must be int32 [B], got {seq_lens.dtype}"
     assert sliding_window is None or sliding_window > 0, f"sliding_window must be positive, got {sliding_window}"
+    mode = scale_mode(key_cache, k_scale, v_scale)
 
     # The CPU path reads the (tiny) metadata on the host; the Triton twin never does.
     starts = query_start_loc.tolist()
@@ -119,17 +145,31 @@ def paged_attention(
         f"block_table holds {block_table.shape[1]} blocks of {block_size}, max_seq_len is {max_seq_len}")
 
     out = torch.empty_like(query)
-    k_flat = key_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = value_cache.view(-1, num_kv_heads, head_dim)
+    # A source is (flat cache, flat per-slot scales | 0-dim scale | None): see _gather.
+    k_src = (key_cache.view(-1, num_kv_heads, head_dim), _flat_scale(k_scale, mode, num_kv_heads))
+    v_src = (value_cache.view(-1, num_kv_heads, head_dim), _flat_scale(v_scale, mode, num_kv_heads))
     decodes = [b for b in range(num_seqs) if q_lens[b] == 1]
     if decodes:
-        _decode_attention(query, k_flat, v_flat, block_table, block_size, starts, lens, decodes,
+        _decode_attention(query, k_src, v_src, block_table, block_size, starts, lens, decodes,
                           scale, sliding_window, out)
     for b in range(num_seqs):
         if q_lens[b] > 1:
-            _prefill_attention(query, k_flat, v_flat, block_table[b], block_size, starts[b], q_lens[b],
+            _prefill_attention(query, k_src, v_src, block_table[b], block_size, starts[b], q_lens[b],
                                lens[b], scale, sliding_window, out)
     return out
+
+
+def _flat_scale(scale: Tensor | None, mode: str, num_kv_heads: int) -> Tensor | None:
+    return scale.view(-1, num_kv_heads) if mode == "dynamic" else scale
+
+
+def _gather(src: tuple[Tensor, Tensor | None], slots: Tensor) -> Tensor:
+    """fp32 K or V of cache ``slots`` ([n] int64) -> [n, num_kv_heads, head_dim], dequantized if needed."""
+    flat, scale = src
+    x = flat.index_select(0, slots)
+    if scale is None:
+        return x.float()
+    return dequantize_kv(x, scale if scale.dim() == 0 else scale.index_select(0, slots))
 
 
 def _slots(block_table: Tensor, block_size: int, positions: Tensor) -> Tensor:
@@ -138,10 +178,10 @@ def _slots(block_table: Tensor, block_size: int, positions: Tensor) -> Tensor:
     return blocks * block_size + positions % block_size
 
 
-def _decode_attention(query, k_flat, v_flat, block_table, block_size, starts, lens, decodes,
+def _decode_attention(query, k_src, v_src, block_table, block_size, starts, lens, decodes,
                       scale, sliding_window, out) -> None:
     """One query row per sequence: batched gather + one SDPA per group of similar-length rows."""
-    num_kv_heads, head_dim = k_flat.shape[1:]
+    num_kv_heads, head_dim = k_src[0].shape[1:]
     group = query.shape[1] // num_kv_heads
     # Keys each row reads: its whole context, or the last `sliding_window` positions.
     n_keys = {b: lens[b] if sliding_window is None else min(lens[b], sliding_window) for b in decodes}
@@ -160,18 +200,18 @@ def _decode_attention(query, k_flat, v_flat, block_table, block_size, starts, le
         # Padded columns clamp to the row's last real position: finite data, masked out below.
         positions = torch.minimum(last - n + 1 + offs, last)
         slots = _slots(block_table.index_select(0, seq_idx), block_size, positions).view(-1)
-        k = k_flat.index_select(0, slots).view(len(rows), width, num_kv_heads, head_dim)
-        v = v_flat.index_select(0, slots).view(len(rows), width, num_kv_heads, head_dim)
+        k = _gather(k_src, slots).view(len(rows), width, num_kv_heads, head_dim)
+        v = _gather(v_src, slots).view(len(rows), width, num_kv_heads, head_dim)
         # [G, Hkv, group, D]: the group's heads become the query-length axis, so K/V are not repeated.
         q = query.index_select(0, q_rows).view(len(rows), num_kv_heads, group, head_dim)
         ragged = n_keys[rows[-1]] < width
         mask = (offs < n)[:, None, None, :] if ragged else None
         o = F.scaled_dot_product_attention(
-            q.float(), k.float().transpose(1, 2), v.float().transpose(1, 2), attn_mask=mask, scale=scale)
+            q.float(), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
         out.index_copy_(0, q_rows, o.reshape(len(rows), -1, head_dim).to(out.dtype))
 
 
-def _prefill_attention(query, k_flat, v_flat, block_row, block_size, q_start, q_len, seq_len,
+def _prefill_attention(query, k_src, v_src, block_row, block_size, q_start, q_len, seq_len,
                        scale, sliding_window, out) -> None:
     """Several query rows of one sequence (a prompt or a prefill chunk after a cached prefix)."""
     context = seq_len - q_len  # tokens cached before this step
@@ -180,8 +220,8 @@ def _prefill_attention(query, k_flat, v_flat, block_row, block_size, q_start, q_
     key_pos = torch.arange(kv_start, seq_len, device=query.device)
     slots = _slots(block_row, block_size, key_pos)
     # 4-D operands: 3-D ones send CPU SDPA down its slow math path (measured ~6x slower).
-    k = k_flat.index_select(0, slots).float().transpose(0, 1)[None]  # [1, Hkv, n, D]
-    v = v_flat.index_select(0, slots).float().transpose(0, 1)[None]
+    k = _gather(k_src, slots).transpose(0, 1)[None]  # [1, Hkv, n, D]
+    v = _gather(v_src, slots).transpose(0, 1)[None]
     q = query[q_start:q_start + q_len].float().transpose(0, 1)[None]  # [1, H, q_len, D]
     if context == 0 and sliding_window is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)

@@ -1,0 +1,155 @@
+"""The paged KV cache tensors: spec (dtype, bytes per block including scales), sizing, allocation.
+
+Per layer the cache is ``key_cache`` / ``value_cache`` ``[num_blocks, block_size, num_kv_heads,
+head_dim]`` in the storage dtype. Quantized caches (int8, fp8_e4m3, fp8_e5m2; format in
+pagedserve.kernels.kv_quant) add fp32 scales:
+
+* dynamic (default): ``k_scale`` / ``v_scale`` ``[num_blocks, block_size, num_kv_heads]`` per layer,
+  one per token and KV head, in the same block index space as the cache. Their bytes count in
+  `KVCacheSpec.bytes_per_block`, so the pool is sized with them: head_dim 64 costs 64 + 4 bytes
+  per token and head in int8 versus 128 in bf16 (1.88x the tokens) and 256 in fp32 (3.76x).
+* static: a checkpoint's per-tensor ``k_scale`` / ``v_scale`` (vLLM's fp8 layout), 0-dim per layer;
+  no per-block bytes. Used for fp8 caches only: the scales are calibrated for the fp8 range.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedserve.core.errors import ConfigError
+from pagedserve.kernels.kv_quant import SCALE_DTYPE, is_quantized
+
+logger = logging.getLogger(__name__)
+
+KV_CACHE_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "int8": torch.int8,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass(slots=True)
+class KVCacheTensors:
+    """One layer's paged cache. key_cache/value_cache: [num_blocks, block_size, num_kv_heads, head_dim];
+    k_scale/v_scale: None (float cache), fp32 [num_blocks, block_size, num_kv_heads] (dynamic) or
+    fp32 0-dim (static)."""
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    """Storage dtype of key_cache / value_cache."""
+    static_scales: tuple[tuple[float, float], ...] | None = None
+    """Per layer (k_scale, v_scale) from the checkpoint; None: dynamic scales (quantized caches)."""
+
+    def __post_init__(self) -> None:
+        if self.static_scales is not None:
+            assert is_quantized(self.dtype), "static KV scales need a quantized cache dtype"
+            assert len(self.static_scales) == self.num_layers, "one (k_scale, v_scale) per layer"
+
+    @property
+    def quantized(self) -> bool:
+        return is_quantized(self.dtype)
+
+    @property
+    def dynamic_scales(self) -> bool:
+        return self.quantized and self.static_scales is None
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of one block across all layers, scales included."""
+        slots = self.block_size * self.num_kv_heads
+        per_tensor = slots * self.head_dim * self.dtype.itemsize
+        if self.dynamic_scales:
+            per_tensor += slots * SCALE_DTYPE.itemsize
+        return self.num_layers * 2 * per_tensor
+
+    def num_blocks(self, budget_bytes: int) -> int:
+        return budget_bytes // self.bytes_per_block
+
+    def describe(self) -> str:
+        name = str(self.dtype).removeprefix("torch.")
+        if not self.quantized:
+            return name
+        return f"{name} ({'per-token dynamic' if self.dynamic_scales else 'static per-tensor'} scales)"
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """kv_cache_dtype from the config -> storage dtype ("auto": the model dtype)."""
+    if name == "auto":
+        return model_dtype
+    if name not in KV_CACHE_TORCH_DTYPES:
+        raise ConfigError(
+            f"kv_cache_dtype={name!r} is not supported; use auto or one of {sorted(KV_CACHE_TORCH_DTYPES)}")
+    return KV_CACHE_TORCH_DTYPES[name]
+
+
+def make_kv_cache_spec(kv_cache_dtype: str, model_dtype: torch.dtype, num_layers: int, block_size: int,
+                       num_kv_heads: int, head_dim: int, model_path: Path | None = None) -> KVCacheSpec:
+    """The engine's spec: static scales come from the checkpoint for fp8 caches when it has them."""
+    dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype)
+    static = load_static_kv_scales(model_path, num_layers) if dtype in _FP8 and model_path is not None else None
+    if static is not None:
+        logger.info("KV cache %s: using the checkpoint's static per-tensor k/v scales", kv_cache_dtype)
+    return KVCacheSpec(num_layers, block_size, num_kv_heads, head_dim, dtype, static)
+
+
+def load_static_kv_scales(model_path: Path, num_layers: int) -> tuple[tuple[float, float], ...] | None:
+    """Per-layer (k_scale, v_scale) from ``model.layers.{i}.self_attn.{k,v}_scale`` (or the older
+    shared ``kv_scale``) in the checkpoint's safetensors; None unless every layer has them."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                if name.endswith(("self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale")):
+                    found[name] = sf.get_tensor(name)
+    if not found:
+        return None
+    scales = []
+    for i in range(num_layers):
+        p = f"model.layers.{i}.self_attn."
+        k, v = found.get(p + "k_scale", found.get(p + "kv_scale")), found.get(p + "v_scale", found.get(p + "kv_scale"))
+        if k is None or v is None:
+            raise ConfigError(f"{model_path}: checkpoint has KV scales for some layers but not layer {i}")
+        k, v = float(k.float().reshape(-1)[0]), float(v.float().reshape(-1)[0])
+        if not (k > 0 and v > 0):
+            raise ConfigError(f"{model_path}: layer {i} KV scales must be positive, got k={k}, v={v}")
+        scales.append((k, v))
+    return tuple(scales)
+
+
+def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[KVCacheTensors]:
+    """Zeroed caches (and scales) for every layer."""
+    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    caches = []
+    for layer in range(spec.num_layers):
+        k_scale = v_scale = None
+        if spec.dynamic_scales:
+            k_scale = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
+            v_scale = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
+        elif spec.static_scales is not None:
+            k, v = spec.static_scales[layer]
+            k_scale = torch.tensor(k, dtype=SCALE_DTYPE, device=device)
+            v_scale = torch.tensor(v, dtype=SCALE_DTYPE, device=device)
+        caches.append(KVCacheTensors(torch.zeros(shape, dtype=spec.dtype, device=device),
+                                     torch.zeros(shape, dtype=spec.dtype, device=device), k_scale, v_scale))
+    return caches

@@ -1,0 +1,58 @@
+"""KV-cache quantization formats shared by the reference and the Triton kernels (no torch ops here).
+
+A quantized cache stores ``code = clamp(round(x / scale), -qmax, qmax)`` in the cache dtype and is
+read back as ``code * scale``. Two ways to get ``scale`` (fp32):
+
+* dynamic (the default): one symmetric scale per token and per KV head, ``amax(|x|) / qmax`` over
+  head_dim, computed when the token is written. It lives in a tensor ``[num_blocks, block_size,
+  num_kv_heads]`` beside the cache: the same blocks' index space, so a block table addresses both.
+  No calibration data is needed, and an outlier token only coarsens its own row.
+* static: a 0-dim per-tensor scale per layer, given by a checkpoint (vLLM's ``k_scale`` /
+  ``v_scale``). Values beyond ``qmax * scale`` saturate at ``+-qmax`` (never inf/NaN).
+
+Rounding is to nearest-even in every format (torch's rounding for ``round`` and fp8 casts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Largest code magnitude. int8 is symmetric (-128 is never produced), fp8 use their finite maxima.
+QUANT_MAX: dict[torch.dtype, float] = {
+    torch.int8: 127.0,
+    torch.float8_e4m3fn: 448.0,
+    torch.float8_e5m2: 57344.0,
+}
+FLOAT_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Floor of a dynamic scale: an all-zero row (amax 0) must not divide by zero.
+MIN_SCALE = 1e-12
+SCALE_DTYPE = torch.float32
+
+
+def is_quantized(dtype: torch.dtype) -> bool:
+    return dtype in QUANT_MAX
+
+
+def scale_mode(key_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> str:
+    """'none' (float cache), 'dynamic' ([num_blocks, block_size, num_kv_heads] scales) or 'static' (0-dim).
+
+    Asserts that the scales fit the cache: a float cache takes none, a quantized cache needs both.
+    """
+    if not is_quantized(key_cache.dtype):
+        assert key_cache.dtype in FLOAT_CACHE_DTYPES, f"unsupported KV cache dtype {key_cache.dtype}"
+        assert k_scale is None and v_scale is None, f"a {key_cache.dtype} KV cache takes no k_scale/v_scale"
+        return "none"
+    assert k_scale is not None and v_scale is not None, (
+        f"a {key_cache.dtype} KV cache needs k_scale and v_scale (per-slot [num_blocks, block_size, "
+        "num_kv_heads] or 0-dim static)")
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        assert s.dtype == SCALE_DTYPE, f"{name} must be float32, got {s.dtype}"
+        assert s.device == key_cache.device, f"{name} is on {s.device}, the cache on {key_cache.device}"
+    assert k_scale.dim() == v_scale.dim(), "k_scale and v_scale must both be per-slot or both static"
+    if k_scale.dim() == 0:
+        return "static"
+    expected = tuple(key_cache.shape[:3])
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        assert tuple(s.shape) == expected and s.is_contiguous(), (
+            f"{name} must be contiguous [num_blocks, block_size, num_kv_heads] = {expected}, got {tuple(s.shape)}")
+    return "dynamic"
