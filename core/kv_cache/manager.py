@@ -69,9 +69,21 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_stats.queries += request.num_tokens
-        self.prefix_stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one lookup once the request is admitted: a request that waits at the head of the
+        queue is looked up again every step, and counting each try would inflate both counters."""
+        if self._uses_cache(request):
+            self.prefix_stats.queries += request.num_tokens
+            self.prefix_stats.hits += num_hit_tokens
+
+    def get_shared_prompt_blocks(self, leader: Request, request: Request) -> tuple[list[KVBlock], int]:
+        """The leader's full blocks that hold only prompt tokens the sample shares (n > 1), with
+        the same rule as a prefix hit: the sample computes at least its last prompt token."""
+        usable = min(leader.num_computed_tokens, request.num_prompt_tokens - 1) // self.block_size
+        blocks = self.req_to_blocks.get(leader.request_id, [])[:usable]
+        return list(blocks), len(blocks) * self.block_size
 
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a request of num_tokens could ever fit in the pool (with nothing else running)."""
