@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,21 +13,23 @@ import torch
 
 from pagedserve.core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pagedserve.core.errors import ConfigError, DuplicateRequest, InvalidRequest, RequestTooLong
+from pagedserve.core.kv_cache.cache_tensors import KVCacheSpec, make_kv_cache_spec
 from pagedserve.core.kv_cache.manager import KVCacheManager
 from pagedserve.core.layers.attention import select_attention_backend
-from pagedserve.core.model_runner import ModelRunner, kv_cache_bytes_per_block
+from pagedserve.core.metrics import EngineMetrics
+from pagedserve.core.model_runner import ModelRunner
 from pagedserve.core.models.arch import ModelArch
 from pagedserve.core.models.default_model import resolve_model_path
 from pagedserve.core.models.loader import load_decoder
+from pagedserve.core.output_processor import OutputProcessor
 from pagedserve.core.outputs import CompletionResult, RequestOutput
-from pagedserve.core.request import Request
+from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.core.scheduler import Scheduler, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -77,22 +79,29 @@ class LLMEngine:
         self.eos_token_id = self.arch.eos_token_ids[0] if self.arch.eos_token_ids else self.tokenizer.eos_token_id
         attention = select_attention_backend(mc.attention_backend, self.device)
         model = load_decoder(self.model_path, self.arch, self.dtype, self.device, self.max_model_len, attention)
-        kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else _KV_DTYPES.get(cc.kv_cache_dtype)
-        if kv_dtype is None:
-            raise ConfigError(f"kv_cache_dtype={cc.kv_cache_dtype!r} is not available yet; use auto, fp32, bf16 or fp16")
-        self.num_kv_blocks = self._num_kv_blocks(kv_dtype)
+        # KV cache dtype, scales (int8/fp8) and bytes per block: core/kv_cache/cache_tensors.py.
+        self.kv_cache_spec = kv_spec = make_kv_cache_spec(
+            cc.kv_cache_dtype, self.dtype, self.arch.num_layers, cc.block_size, self.arch.num_kv_heads,
+            self.arch.head_dim, self.model_path)
+        self.num_kv_blocks = self._num_kv_blocks(kv_spec)
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
-        self.runner = ModelRunner(model, self.num_kv_blocks, cc.block_size, kv_dtype)
+        self.runner = ModelRunner(model, self.num_kv_blocks, cc.block_size, kv_spec)
         self._ids = itertools.count()
+        self._samples_of: dict[str, list[str]] = {}
+        """request_id -> its live sample ids (one unless n > 1)."""
+        self.metrics = EngineMetrics()
+        self.output_processor = OutputProcessor(self.tokenizer, self.metrics, self.scheduler.finish_request)
+        self._publish_metrics()
         logger.info("pagedserve engine: %s on %s in %s, %d KV blocks of %d tokens",
                     self.model_path, self.device, self.dtype, self.num_kv_blocks, cc.block_size)
 
-    def _num_kv_blocks(self, kv_dtype: torch.dtype) -> int:
-        cc, a = self.config.cache, self.arch
+    def _num_kv_blocks(self, kv_spec: KVCacheSpec) -> int:
+        """Blocks that fit the memory budget; a block's bytes include int8/fp8 scales."""
+        cc = self.config.cache
         if cc.num_kv_blocks is not None:
             return cc.num_kv_blocks
-        per_block = kv_cache_bytes_per_block(a.num_layers, cc.block_size, a.num_kv_heads, a.head_dim, kv_dtype)
+        per_block = kv_spec.bytes_per_block
         if cc.kv_cache_memory is not None:
             budget = cc.kv_cache_memory
         elif self.device.type == "cuda":
@@ -120,18 +129,9 @@ class LLMEngine:
                 raise InvalidRequest(f"prompt token ids: item {i} is {t!r}; token ids must be integers in [0, {vocab})")
         return ids
 
-    def add_request(self, request_id: str | None, prompt: str | Sequence[int],
-                    params: SamplingParams | None = None, *, cache_salt: str | None = None,
-                    use_prefix_cache: bool = True) -> str:
-        """Queue a request; returns its request_id. Raises InvalidRequest / RequestTooLong."""
-        params = params or SamplingParams()
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.scheduler.requests:
-            raise DuplicateRequest(f"request_id={request_id!r} is already running; use a unique id")
-        token_ids = self.tokenize(prompt)
-        if not token_ids:
-            raise InvalidRequest("prompt is empty; send at least one token")
-        n, limit = len(token_ids), self.max_model_len
+    def _check_lengths(self, n: int, params: SamplingParams) -> int:
+        """Validate prompt length against max_model_len and the pool; return resolved max_tokens."""
+        limit = self.max_model_len
         if n >= limit:
             raise RequestTooLong(f"prompt has {n} tokens but max_model_len is {limit}; shorten the prompt")
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
@@ -146,25 +146,82 @@ class LLMEngine:
                 f"prompt + max_tokens = {n + max_tokens} tokens exceeds the whole KV cache ({cap} tokens); "
                 "lower max_tokens or raise kv_cache_memory"
             )
-        self.scheduler.add_request(Request(
-            request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
-            eos_token_id=self.eos_token_id, max_tokens=max_tokens,
-            cache_salt=cache_salt, use_prefix_cache=use_prefix_cache,
-        ))
+        return max_tokens
+
+    def add_request(self, request_id: str | None, prompt: str | Sequence[int],
+                    params: SamplingParams | None = None, *, cache_salt: str | None = None,
+                    use_prefix_cache: bool = True, detokenize: bool = True) -> str:
+        """Queue a request (n samples when params.n > 1); returns its request_id.
+
+        Raises InvalidRequest / RequestTooLong / DuplicateRequest; nothing is queued then.
+        """
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._samples_of:
+            raise DuplicateRequest(f"request_id={request_id!r} is already running; use a unique id")
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise InvalidRequest("prompt is empty; send at least one token")
+        max_tokens = self._check_lengths(len(token_ids), params)
+        if params.prompt_logprobs is not None:
+            use_prefix_cache = False  # every prompt position must run to be scored
+        leader = None
+        sample_ids = []
+        for index in range(params.n):
+            sample_params = params
+            if index > 0:  # each sample draws its own tokens; only the first scores the prompt
+                seed = None if params.seed is None else (params.seed + index) & 0xFFFF_FFFF_FFFF_FFFF
+                sample_params = dataclasses.replace(params, seed=seed, prompt_logprobs=None)
+            sample_id = request_id if params.n == 1 else f"{request_id}\x00{index}"
+            request = Request(
+                request_id=sample_id, prompt_token_ids=token_ids, sampling_params=sample_params,
+                eos_token_id=self.eos_token_id, max_tokens=max_tokens, cache_salt=cache_salt,
+                use_prefix_cache=use_prefix_cache, prompt_leader=leader,
+            )
+            leader = leader or request
+            self.scheduler.add_request(request)
+            self.output_processor.add(request, request_id, index, detokenize)
+            sample_ids.append(sample_id)
+        self._samples_of[request_id] = sample_ids
         return request_id
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Finish the request now (finish_reason "abort") and free its blocks; None if unknown."""
-        return self.scheduler.abort_request(request_id)
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Finish every live sample of the request now (finish_reason "abort") and free its blocks.
+        Returns their final outputs (empty if the request is unknown or already finished)."""
+        outputs = []
+        for sample_id in self._samples_of.pop(request_id, []):
+            request = self.scheduler.finish_request(sample_id, RequestStatus.FINISHED_ABORTED)
+            if request is not None:
+                outputs.append(self.output_processor.abort(request))
+        self._publish_metrics()
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def is_live(self, request_id: str) -> bool:
+        """Whether any sample of the request is still queued or running."""
+        return request_id in self._samples_of
+
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, run the batch, sample, apply stop rules."""
+        """One iteration: schedule, run the batch, sample, apply stop rules, detokenize."""
         sched_out = self.scheduler.schedule()
-        sampled = self.runner.execute(sched_out)
-        return self.scheduler.update_from_output(sched_out, sampled)
+        runner_out = self.runner.execute(sched_out)
+        updates = self.scheduler.update_from_output(sched_out, runner_out.sampled)
+        outputs = self.output_processor.process(updates, runner_out)
+        for out in outputs:
+            if out.finished:
+                samples = self._samples_of.get(out.request_id)
+                if samples is not None and all(s not in self.scheduler.requests for s in samples):
+                    del self._samples_of[out.request_id]
+        self._publish_metrics()
+        return outputs
+
+    def _publish_metrics(self) -> None:
+        self.metrics.update_from_scheduler(self.scheduler.stats)
+        self.latest_metrics = self.metrics.snapshot()
 
     @property
     def stats(self) -> SchedulerStats:
@@ -174,32 +231,44 @@ class LLMEngine:
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False, **request_kwargs: Any) -> list[CompletionResult]:
-        """Run prompts to completion with continuous batching; results in prompt order."""
+        """Run prompts to completion with continuous batching.
+
+        Returns one result per sample in prompt order (prompt i's n samples consecutively).
+        """
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequest(f"got {len(prompts)} prompts but {len(params)} sampling params")
         ids = [self.add_request(None, p, sp, **request_kwargs) for p, sp in zip(prompts, params)]
-        prompt_ids = {i: tuple(self.scheduler.requests[i].prompt_token_ids) for i in ids}
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        reasons: dict[str, str | None] = {}
+        acc: dict[tuple[str, int], dict[str, Any]] = {
+            (i, k): {"tokens": [], "text": [], "logprobs": []} for i, sp in zip(ids, params) for k in range(sp.n)
+        }
         bar = None
         if use_tqdm:
             from tqdm import tqdm
-            bar = tqdm(total=len(ids), desc="generate", unit="req")
-        start = time.perf_counter()
+            bar = tqdm(total=len(acc), desc="generate", unit="seq")
         while self.has_unfinished_requests():
             for out in self.step():
-                tokens[out.request_id].extend(out.new_token_ids)
+                a = acc[(out.request_id, out.index)]
+                a["tokens"].extend(out.new_token_ids)
+                a["text"].append(out.text)
+                a["logprobs"].extend(out.logprobs or ())
+                if out.prompt_logprobs is not None:
+                    a["prompt_logprobs"] = out.prompt_logprobs
                 if out.finished:
-                    reasons[out.request_id] = out.finish_reason
+                    a["final"] = out
                     if bar is not None:
                         bar.update(1)
         if bar is not None:
             bar.close()
-        logger.debug("generate: %d requests in %.2fs", len(ids), time.perf_counter() - start)
-        return [
-            CompletionResult(i, prompt_ids[i], tuple(tokens[i]),
-                             self.tokenizer.decode(tokens[i], skip_special_tokens=True), reasons.get(i))
-            for i in ids
-        ]
+        results = []
+        for (rid, index), a in acc.items():
+            final = a["final"]
+            results.append(CompletionResult(
+                request_id=rid, index=index, prompt_token_ids=final.prompt_token_ids,
+                token_ids=tuple(a["tokens"]), text="".join(a["text"]), finish_reason=final.finish_reason,
+                stop_reason=final.stop_reason,
+                logprobs=tuple(a["logprobs"]) if final.logprobs is not None or a["logprobs"] else None,
+                cumulative_logprob=final.cumulative_logprob, prompt_logprobs=a.get("prompt_logprobs"),
+            ))
+        return results

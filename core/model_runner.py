@@ -10,29 +10,33 @@ import numpy as np
 import torch
 
 from pagedserve.core.forward_batch import ForwardBatch
-from pagedserve.core.models.llama import KVCacheTensors, LlamaDecoder
-from pagedserve.core.sampler import Sampler
-from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.core.kv_cache.cache_tensors import KVCacheSpec, allocate_kv_caches
+from pagedserve.core.models.llama import LlamaDecoder
+from pagedserve.core.output_processor import RunnerOutput
+from pagedserve.core.outputs import TokenLogprobs
+from pagedserve.core.sampler import Sampler, compute_logprobs
+from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
 
 
 def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                              dtype: torch.dtype) -> int:
-    """K and V of one block across all layers."""
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+    """K and V of one block across all layers (dynamic scales included for int8/fp8)."""
+    return KVCacheSpec(num_layers, block_size, num_kv_heads, head_dim, dtype).bytes_per_block
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaDecoder, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
+    def __init__(self, model: LlamaDecoder, num_blocks: int, block_size: int,
+                 kv_spec: KVCacheSpec | torch.dtype) -> None:
+        """kv_spec: the cache spec (see core/kv_cache/cache_tensors.py), or a bare storage dtype."""
         self.model = model
         self.block_size = block_size
         self.device = model.device
         arch = model.arch
-        shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = [
-            KVCacheTensors(torch.zeros(shape, dtype=kv_dtype, device=self.device),
-                           torch.zeros(shape, dtype=kv_dtype, device=self.device))
-            for _ in range(arch.num_layers)
-        ]
+        if isinstance(kv_spec, torch.dtype):
+            kv_spec = KVCacheSpec(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, kv_spec)
+        assert kv_spec.block_size == block_size, f"kv_spec.block_size={kv_spec.block_size} != {block_size}"
+        self.kv_spec = kv_spec
+        self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, self.device)
         self.sampler = Sampler()
 
     def prepare(self, out: SchedulerOutput) -> ForwardBatch:
@@ -55,8 +59,8 @@ class ModelRunner:
             block_table[row_of_token, positions // self.block_size].astype(np.int64) * self.block_size
             + positions % self.block_size
         )
-        sample_mask = np.fromiter((r.sample for r in reqs), dtype=bool, count=len(reqs))
-        logits_indices = query_start_loc[1:][sample_mask] - 1
+        logits_indices = np.concatenate([self._logits_rows(r, int(query_start_loc[i]))
+                                         for i, r in enumerate(reqs)] or [np.zeros(0, dtype=np.int64)])
 
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(self.device, non_blocking=True)
@@ -73,15 +77,54 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
         )
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run one step; return request_id -> sampled token for requests that sample."""
+    @staticmethod
+    def _wants_prompt_logprobs(r: ScheduledRequest) -> bool:
+        return r.sampling_params.prompt_logprobs is not None and r.start_position < len(r.prompt_token_ids)
+
+    def _logits_rows(self, r: ScheduledRequest, first_row: int) -> np.ndarray:
+        """Rows of the packed batch whose logits this request needs: every row while it is scoring
+        its prompt (prompt_logprobs), else only its last row when it samples."""
+        n = len(r.token_ids)
+        if self._wants_prompt_logprobs(r):
+            return np.arange(first_row, first_row + n, dtype=np.int64)
+        if r.sample:
+            return np.array([first_row + n - 1], dtype=np.int64)
+        return np.zeros(0, dtype=np.int64)
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one step: sampled tokens, their logprobs, and prompt logprobs where asked."""
         self.sampler.forget(out.finished_request_ids)
         if out.is_empty:
-            return {}
+            return RunnerOutput({}, {}, {})
         batch = self.prepare(out)
         logits = self.model.forward(batch, self.kv_caches)
-        sampling = [r for r in out.requests if r.sample]
+        sample_rows, sampling, prompt_logprobs = [], [], {}
+        row = 0
+        for r in out.requests:
+            n_rows = len(self._logits_rows(r, 0))
+            if self._wants_prompt_logprobs(r):
+                prompt_logprobs[r.request_id] = self._prompt_logprobs(r, logits[row : row + n_rows])
+            if r.sample:
+                sample_rows.append(row + n_rows - 1)
+                sampling.append(r)
+            row += n_rows
         if not sampling:
-            return {}
-        tokens = self.sampler(logits, [r.request_id for r in sampling], [r.sampling_params for r in sampling])
-        return {r.request_id: t for r, t in zip(sampling, tokens)}
+            return RunnerOutput({}, {}, prompt_logprobs)
+        result = self.sampler(
+            logits[torch.tensor(sample_rows, device=logits.device)],
+            [r.request_id for r in sampling], [r.sampling_params for r in sampling],
+            [r.output_token_ids for r in sampling], [r.prompt_token_ids for r in sampling],
+            [r.eos_token_id for r in sampling],
+        )
+        sampled = {r.request_id: t for r, t in zip(sampling, result.token_ids)}
+        logprobs = {r.request_id: lp for r, lp in zip(sampling, result.logprobs) if lp is not None}
+        return RunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    @staticmethod
+    def _prompt_logprobs(r: ScheduledRequest, logits: torch.Tensor) -> list[TokenLogprobs]:
+        """Row j scores the prompt token at position start + j + 1 (the next one), if any."""
+        prompt = r.prompt_token_ids
+        targets = list(prompt[r.start_position + 1 : r.start_position + 1 + logits.shape[0]])
+        if not targets:
+            return []
+        return compute_logprobs(logits[: len(targets)], targets, [r.sampling_params.prompt_logprobs] * len(targets))

@@ -1,4 +1,8 @@
-"""Request: the single source of truth for one request's state inside the engine."""
+"""Request: the single source of truth for one sequence's state inside the engine.
+
+A user request with n > 1 becomes n Requests (samples) sharing one prompt; the first is the
+leader, the others wait until it has computed the prompt and then take its prompt blocks.
+"""
 
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ _FINISH_REASONS = {
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams
     eos_token_id: int | None
     max_tokens: int
@@ -50,6 +54,13 @@ class Request:
     cache_salt: str | None = None
     """Prefix-cache namespace: requests with different salts never share KV blocks."""
     use_prefix_cache: bool = True
+    prompt_leader: "Request | None" = None
+    """For samples 2..n of an n > 1 request: the sample that computes the shared prompt."""
+    stop_reason: str | int | None = None
+    first_scheduled_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = tuple(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -64,10 +75,10 @@ class Request:
         return len(self.output_token_ids)
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output, without building the concatenation."""
+        """Tokens [start, end) of prompt + output, without building the whole concatenation."""
         n_prompt = len(self.prompt_token_ids)
         if end <= n_prompt:
-            return self.prompt_token_ids[start:end]
+            return list(self.prompt_token_ids[start:end])
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt : end - n_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
+        return list(self.prompt_token_ids[start:]) + self.output_token_ids[: end - n_prompt]

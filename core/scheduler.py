@@ -9,12 +9,12 @@ blocks are freed and it goes back to the front of the waiting queue, keeping its
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from pagedserve.core.config import SchedulerConfig
 from pagedserve.core.kv_cache.manager import KVCacheManager
-from pagedserve.core.outputs import RequestOutput
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sampling_params import SamplingParams
 
@@ -31,8 +31,10 @@ class ScheduledRequest:
     sample: bool
     """True when this step reaches the request's last known token, so a new token is sampled."""
     sampling_params: SamplingParams
+    prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]
     """Tokens generated so far (for penalties); empty until the first sample."""
+    eos_token_id: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +89,10 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Finish a live request as aborted and free its blocks; None if it is not live."""
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       stop_reason: str | int | None = None) -> Request | None:
+        """Finish a live request from outside (abort, stop string) and free its blocks at once.
+        Returns the request, or None if it is not live."""
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -96,9 +100,10 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        request.stop_reason = stop_reason
+        self._finish(request, status)
         self._refresh_stats()
-        return self._delta(request, ())
+        return request
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -128,21 +133,30 @@ class Scheduler:
                 continue
             break  # the request itself was preempted: nothing after it is running
 
-        # 2. Admit waiting requests, unless this iteration already had to preempt.
+        # 2. Admit waiting requests in arrival order, unless this iteration already had to preempt.
+        #    Samples 2..n of a request wait (without blocking others) until their leader has
+        #    computed the prompt, then start from the leader's prompt blocks.
+        skipped: list[Request] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            hits, num_hit_tokens = ([], 0)
-            if request.num_computed_tokens == 0:
-                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            if self._waits_for_leader(request):
+                skipped.append(self.waiting.popleft())
+                continue
+            hits, num_hit_tokens, from_leader = self._reusable_blocks(request)
             n = self._num_tokens_to_compute(request, budget, already=num_hit_tokens)
             if self.kv.allocate_slots(request, n, hits) is None:
                 break
             self.waiting.popleft()
+            if request.num_computed_tokens == 0 and not from_leader:
+                self.kv.record_prefix_lookup(request, num_hit_tokens)  # once, on admission
             request.num_computed_tokens += num_hit_tokens
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             num_new[request.request_id] = n
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
 
         scheduled = tuple(self._scheduled(r, num_new[r.request_id]) for r in self.running if r.request_id in num_new)
         total = sum(num_new.values())
@@ -151,6 +165,23 @@ class Scheduler:
         finished, self._finished_since_last_step = tuple(self._finished_since_last_step), []
         self._refresh_stats()
         return SchedulerOutput(scheduled, total, tuple(r.request_id for r in preempted), finished)
+
+    @staticmethod
+    def _waits_for_leader(request: Request) -> bool:
+        leader = request.prompt_leader
+        return (leader is not None and not leader.status.finished
+                and leader.num_computed_tokens < leader.num_prompt_tokens)
+
+    def _reusable_blocks(self, request: Request):
+        """KV blocks a newly admitted request can start from: its leader's prompt blocks when it is
+        a sample of an n > 1 request whose leader is running, else prefix-cache hits.
+        Returns (blocks, their tokens, whether they came from the leader)."""
+        if request.num_computed_tokens != 0:
+            return [], 0, False
+        leader = request.prompt_leader
+        if leader is not None and leader.status == RequestStatus.RUNNING:
+            return (*self.kv.get_shared_prompt_blocks(leader, request), True)
+        return (*self.kv.get_computed_blocks(request), False)
 
     def _num_tokens_to_compute(self, request: Request, budget: int, already: int = 0) -> int:
         n = request.num_tokens - request.num_computed_tokens - already
@@ -167,7 +198,9 @@ class Scheduler:
             block_ids=tuple(self.kv.get_block_ids(request.request_id)),
             sample=start + n == request.num_tokens,
             sampling_params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
             output_token_ids=tuple(request.output_token_ids),
+            eos_token_id=request.eos_token_id,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -181,8 +214,9 @@ class Scheduler:
     # -- after the forward pass ----------------------------------------------------------------
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled: dict[str, int]
-    ) -> list[RequestOutput]:
-        """Advance computed tokens, append sampled tokens, apply stop rules, free finished requests."""
+    ) -> list[tuple[Request, int]]:
+        """Advance computed tokens, append sampled tokens, apply token-level stop rules (EOS, stop
+        token ids, length), free finished requests. Returns (request, new token) per sample."""
         outputs = []
         for sched in scheduler_output.requests:
             request = self.requests[sched.request_id]
@@ -202,7 +236,7 @@ class Scheduler:
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
-            outputs.append(self._delta(request, (token,)))
+            outputs.append((request, token))
         self._refresh_stats()
         return outputs
 
@@ -212,6 +246,7 @@ class Scheduler:
             if token == request.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:
+                request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
@@ -223,17 +258,6 @@ class Scheduler:
         self.kv.forget(request)
         del self.requests[request.request_id]
         self._finished_since_last_step.append(request.request_id)
-
-    @staticmethod
-    def _delta(request: Request, new_tokens: tuple[int, ...]) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=new_tokens,
-            finished=request.status.finished,
-            finish_reason=request.status.finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-        )
 
     def _refresh_stats(self) -> None:
         s = self.stats

@@ -115,11 +115,11 @@ def test_abort_frees_blocks_at_once(tiny_model_dir):
     for _ in range(3):
         engine.step()
     used = engine.kv_cache_manager.pool.num_used_blocks
-    out = engine.abort_request("a1")
-    assert out is not None and out.finished and out.finish_reason == "abort"
+    (out,) = engine.abort_request("a1")
+    assert out.finished and out.finish_reason == "abort" and out.request_id == "a1"
     assert engine.kv_cache_manager.pool.num_used_blocks < used
     engine.kv_cache_manager.check_invariants()
-    assert engine.abort_request("a1") is None
+    assert engine.abort_request("a1") == []
     while engine.has_unfinished_requests():
         engine.step()
     assert_all_free(engine)

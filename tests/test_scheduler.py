@@ -93,9 +93,10 @@ def test_abort_waiting_and_running():
     add(s, "run", 4)
     step(s)
     add(s, "wait", 4)
-    assert s.abort_request("wait").finish_reason == "abort"
-    assert s.abort_request("run").finished
-    assert s.abort_request("nope") is None
+    aborted = RequestStatus.FINISHED_ABORTED
+    assert s.finish_request("wait", aborted).status.finish_reason == "abort"
+    assert s.finish_request("run", aborted).status.finished
+    assert s.finish_request("nope", aborted) is None
     assert not s.has_unfinished_requests() and s.kv.pool.num_free_blocks == 64
     assert set(s.schedule().finished_request_ids) == {"run", "wait"}
 

@@ -1,0 +1,146 @@
+"""Request semantics end to end: n > 1 sharing the prompt, logprobs against transformers,
+seeded sampling independent of batch and chunking, stop strings and stop tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oracle import hf_greedy, hf_model
+from pagedserve.core.config import EngineConfig
+from pagedserve.core.engine import LLMEngine
+from pagedserve.core.errors import InvalidRequest, RequestTooLong
+from pagedserve.core.sampling_params import SamplingParams
+
+
+def make_engine(path, **overrides) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_dict({"model": str(path), "dtype": "float32", **overrides}))
+
+
+def rand_prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(1, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_logprobs(path, ids: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' logits at every position of ids: [len(ids), vocab]."""
+    with torch.no_grad():
+        return torch.log_softmax(hf_model(path)(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_n_samples_share_prompt_blocks_and_prefill_once(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    engine = make_engine(path, block_size=4, enable_prefix_caching=False, max_num_batched_tokens=16)
+    prompt = rand_prompt(37, seed=1)
+    engine.add_request("multi", prompt, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True))
+    shared_seen = False
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+        tables = [engine.kv_cache_manager.get_block_ids(f"multi\x00{i}") for i in range(4)]
+        live = [t for t in tables if t]
+        if len(live) == 4:
+            common = set.intersection(*(set(t[:9]) for t in live))
+            shared_seen |= len(common) == 9  # the 9 full prompt blocks (36 tokens) are shared
+        engine.kv_cache_manager.check_invariants()
+    assert shared_seen
+    # 37 prompt tokens computed once by the leader, plus the last prompt token by each other sample
+    assert engine.stats.num_computed_prompt_tokens_total == 37 + 3
+    samples = {i: [t for o in outs if o.index == i for t in o.new_token_ids] for i in range(4)}
+    assert all(len(s) == 6 for s in samples.values())
+    assert len({tuple(s) for s in samples.values()}) > 1  # different seeds per sample
+    assert {o.request_id for o in outs} == {"multi"}
+    assert engine.kv_cache_manager.pool.num_free_blocks == engine.num_kv_blocks
+
+
+def test_n_greedy_samples_all_equal_transformers(tiny_model_dir):
+    path = tiny_model_dir("qwen2")
+    engine = make_engine(path, block_size=16)
+    prompt = rand_prompt(40, seed=2)
+    res = engine.generate([prompt], SamplingParams(n=3, temperature=0.0, max_tokens=10, ignore_eos=True))
+    expected = hf_greedy(path, prompt, 10)
+    assert [r.index for r in res] == [0, 1, 2]
+    assert all(list(r.token_ids) == expected for r in res)
+
+
+def test_seeded_sampling_ignores_batch_and_chunking(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    prompt = rand_prompt(50, seed=3)
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = make_engine(path, max_num_batched_tokens=1024).generate([prompt], params)[0].token_ids
+    others = [rand_prompt(30 + i, seed=10 + i) for i in range(5)]
+    mixed = make_engine(path, max_num_batched_tokens=13, block_size=4).generate(
+        others[:3] + [prompt] + others[3:], [SamplingParams(temperature=1.0, max_tokens=20)] * 3 + [params]
+        + [SamplingParams(temperature=1.0, max_tokens=20)] * 2)[3].token_ids
+    assert alone == mixed
+
+
+def test_logprobs_match_transformers(tiny_model_dir):
+    path = tiny_model_dir("qwen3")
+    engine = make_engine(path, max_num_batched_tokens=7)  # chunked prompt
+    prompt = rand_prompt(20, seed=4)
+    res = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                   logprobs=3, prompt_logprobs=2))[0]
+    ref = hf_logprobs(path, prompt + list(res.token_ids))
+    tol = 1e-4  # fp32 engine vs fp32 transformers: same math, different op order
+    assert len(res.logprobs) == 8
+    for j, lp in enumerate(res.logprobs):
+        row = ref[len(prompt) - 1 + j]
+        assert lp.token_id == res.token_ids[j] and lp.rank == 1
+        assert abs(lp.logprob - row[lp.token_id].item()) < tol
+        top_ids = row.topk(3).indices.tolist()
+        assert [t for t, _ in lp.top] == top_ids
+        assert all(abs(v - row[t].item()) < tol for t, v in lp.top)
+    assert res.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in res.logprobs), abs=1e-5)
+    assert res.prompt_logprobs[0] is None and len(res.prompt_logprobs) == len(prompt)
+    for p in range(1, len(prompt)):
+        entry = res.prompt_logprobs[p]
+        assert entry.token_id == prompt[p]
+        assert abs(entry.logprob - ref[p - 1][prompt[p]].item()) < tol
+        assert len(entry.top) == 2
+
+
+def test_stop_token_ids_and_max_tokens(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    engine = make_engine(path)
+    prompt = rand_prompt(12, seed=5)
+    expected = hf_greedy(path, prompt, 20)
+    stop_tok = expected[5]
+    first = expected.index(stop_tok)
+    res = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_tok],
+                                                   ignore_eos=True))[0]
+    assert list(res.token_ids) == expected[: first + 1]
+    assert res.finish_reason == "stop" and res.stop_reason == stop_tok
+
+
+def test_stop_string_finishes_and_truncates(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    engine = make_engine(path)
+    prompt = rand_prompt(12, seed=6)
+    free = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
+    text = free.text
+    assert len(text) > 10
+    stop = text[6:9]
+    res = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop]))[0]
+    assert res.finish_reason == "stop" and res.stop_reason == stop
+    assert res.text == text[: text.index(stop)]
+    assert len(res.token_ids) < 30
+    assert engine.kv_cache_manager.pool.num_free_blocks == engine.num_kv_blocks
+
+
+@pytest.mark.parametrize("params,error,needle", [
+    (dict(max_tokens=2000), RequestTooLong, "max_tokens"),
+    (dict(max_tokens=1), RequestTooLong, "prompt has"),
+])
+def test_length_errors_are_typed(tiny_model_dir, params, error, needle):
+    engine = make_engine(tiny_model_dir("llama"), max_model_len=64)
+    prompt = [1] * (64 if params["max_tokens"] == 1 else 10)
+    with pytest.raises(error, match=needle):
+        engine.add_request("x", prompt, SamplingParams(**params))
+    assert not engine.has_unfinished_requests()
+
+
+def test_bad_prompts_are_rejected(tiny_model_dir):
+    engine = make_engine(tiny_model_dir("llama"))
+    for prompt, needle in [([], "empty"), ([1, -3], "item 1"), ([1, 2.5], "item 1"), (b"bytes", "string or a list")]:
+        with pytest.raises(InvalidRequest, match=needle):
+            engine.add_request(None, prompt, SamplingParams())
