@@ -50,12 +50,8 @@ def _generate(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config_from_args(args))
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     if not args.raw:
-        prompts = [
-            engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                 add_generation_prompt=True)
-            if engine.tokenizer.chat_template else p
-            for p in prompts
-        ]
+        prompts = [engine.apply_chat_template([{"role": "user", "content": p}]) if engine.tokenizer.chat_template
+                   else p for p in prompts]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     start = time.perf_counter()
     results = engine.generate(prompts, params)

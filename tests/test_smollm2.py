@@ -7,6 +7,7 @@ import pytest
 from oracle import hf_greedy
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
+from pagedserve.core.errors import InvalidRequest
 from pagedserve.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -27,10 +28,20 @@ def engine():
         {"model": "default", "dtype": "float32", "max_num_batched_tokens": 37, "max_model_len": 2048}))
 
 
+def test_chat_template_renders_like_transformers(engine):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    expected = AutoTokenizer.from_pretrained(engine.model_path).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    text = engine.apply_chat_template(messages)
+    assert text == expected and "Be brief." in text and text.rstrip().endswith("assistant")
+    with pytest.raises(InvalidRequest, match=r"messages\[1\]"):
+        engine.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user"}])
+
+
 def test_real_prompts_match_transformers(engine):
-    tok = engine.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-               for p in PROMPTS]
+    prompts = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     for res in results:
         assert list(res.token_ids) == hf_greedy(engine.model_path, res.prompt_token_ids, 24)
