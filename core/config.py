@@ -89,8 +89,6 @@ class SchedulerConfig:
         check_range(ConfigError, "max_num_seqs", self.max_num_seqs, 1)
         check_range(ConfigError, "max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_range(ConfigError, "long_prefill_token_threshold", self.long_prefill_token_threshold, 1)
-        if self.max_num_batched_tokens < self.max_num_seqs and self.max_num_batched_tokens < 1:
-            raise ConfigError("max_num_batched_tokens must be at least 1")
 
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}

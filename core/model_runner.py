@@ -18,22 +18,12 @@ from pagedserve.core.sampler import Sampler, compute_logprobs
 from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
 
 
-def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                             dtype: torch.dtype) -> int:
-    """K and V of one block across all layers (dynamic scales included for int8/fp8)."""
-    return KVCacheSpec(num_layers, block_size, num_kv_heads, head_dim, dtype).bytes_per_block
-
-
 class ModelRunner:
-    def __init__(self, model: LlamaDecoder, num_blocks: int, block_size: int,
-                 kv_spec: KVCacheSpec | torch.dtype) -> None:
-        """kv_spec: the cache spec (see core/kv_cache/cache_tensors.py), or a bare storage dtype."""
+    def __init__(self, model: LlamaDecoder, num_blocks: int, block_size: int, kv_spec: KVCacheSpec) -> None:
+        """kv_spec: the cache's dtype, scales and layout (core/kv_cache/cache_tensors.py)."""
         self.model = model
         self.block_size = block_size
         self.device = model.device
-        arch = model.arch
-        if isinstance(kv_spec, torch.dtype):
-            kv_spec = KVCacheSpec(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, kv_spec)
         assert kv_spec.block_size == block_size, f"kv_spec.block_size={kv_spec.block_size} != {block_size}"
         self.kv_spec = kv_spec
         self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, self.device)
