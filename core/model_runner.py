@@ -49,8 +49,12 @@ class ModelRunner:
             block_table[row_of_token, positions // self.block_size].astype(np.int64) * self.block_size
             + positions % self.block_size
         )
-        logits_indices = np.concatenate([self._logits_rows(r, int(query_start_loc[i]))
-                                         for i, r in enumerate(reqs)] or [np.zeros(0, dtype=np.int64)])
+        # Each request needs the logits of its last k rows (k from _num_logits_rows).
+        counts = np.fromiter((self._num_logits_rows(r) for r in reqs), dtype=np.int64, count=len(reqs))
+        first_out = np.zeros(len(reqs), dtype=np.int64)
+        np.cumsum(counts[:-1], out=first_out[1:])
+        logits_indices = (np.repeat(query_start_loc[1:] - counts - first_out, counts)
+                          + np.arange(int(counts.sum())))
 
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(self.device, non_blocking=True)
@@ -71,15 +75,12 @@ class ModelRunner:
     def _wants_prompt_logprobs(r: ScheduledRequest) -> bool:
         return r.sampling_params.prompt_logprobs is not None and r.start_position < len(r.prompt_token_ids)
 
-    def _logits_rows(self, r: ScheduledRequest, first_row: int) -> np.ndarray:
-        """Rows of the packed batch whose logits this request needs: every row while it is scoring
-        its prompt (prompt_logprobs), else only its last row when it samples."""
-        n = len(r.token_ids)
+    def _num_logits_rows(self, r: ScheduledRequest) -> int:
+        """How many of the request's last rows need logits: all of them while it scores its prompt
+        (prompt_logprobs), else its last row when it samples, else none."""
         if self._wants_prompt_logprobs(r):
-            return np.arange(first_row, first_row + n, dtype=np.int64)
-        if r.sample:
-            return np.array([first_row + n - 1], dtype=np.int64)
-        return np.zeros(0, dtype=np.int64)
+            return len(r.token_ids)
+        return 1 if r.sample else 0
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one step: sampled tokens, their logprobs, and prompt logprobs where asked."""
@@ -91,7 +92,7 @@ class ModelRunner:
         sample_rows, sampling, prompt_logprobs = [], [], {}
         row = 0
         for r in out.requests:
-            n_rows = len(self._logits_rows(r, 0))
+            n_rows = self._num_logits_rows(r)
             if self._wants_prompt_logprobs(r):
                 prompt_logprobs[r.request_id] = self._prompt_logprobs(r, logits[row : row + n_rows])
             if r.sample:
