@@ -2,7 +2,11 @@
 
   pagedserve generate [--model default] [--prompt TEXT ...] [--max-tokens N] [--temperature T]
 
-Platform subcommands (triton, kserve) are added by their adapters.
+  pagedserve triton ...   start a real tritonserver on model_repository/ (adapters/triton_server)
+  pagedserve kserve ...   start a kserve ModelServer with OpenAI routes (adapters/kserve)
+
+core never imports a platform (DESIGN.md): the platform subcommands import their adapter's
+`main(argv)` only when they are invoked, and parse their own arguments there.
 """
 
 from __future__ import annotations
@@ -76,11 +80,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=_generate)
+    for name, (_, help_text) in PLATFORM_COMMANDS.items():
+        sub.add_parser(name, help=help_text + f" (see `pagedserve {name} --help`)", add_help=False)
     return parser
 
 
+# subcommand -> module whose main(argv) parses the rest of the command line
+PLATFORM_COMMANDS = {
+    "triton": ("pagedserve.adapters.triton_server.launcher", "start a real tritonserver serving pagedserve"),
+    "kserve": ("pagedserve.adapters.kserve.server", "start a kserve ModelServer serving pagedserve"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    import importlib
     import logging
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in PLATFORM_COMMANDS:
+        module = importlib.import_module(PLATFORM_COMMANDS[argv[0]][0])
+        return module.main(argv[1:])
 
     from pagedserve.core.errors import PagedServeError
 

@@ -1,0 +1,1 @@
+"""Triton Inference Server adapter: a decoupled streaming Python-backend model (see model_repository/)."""

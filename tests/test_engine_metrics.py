@@ -1,0 +1,38 @@
+"""The shared metric table both adapters export: names, kinds and histogram exposition."""
+
+from pagedserve.adapters.engine_metrics import ENGINE_METRICS, REQUEST_SUCCESS, MetricKind, cumulative_buckets
+from pagedserve.core.metrics import EngineMetrics
+
+ISSUE_NAMES = {
+    "pagedserve:num_requests_running", "pagedserve:num_requests_waiting", "pagedserve:kv_cache_usage_perc",
+    "pagedserve:prefix_cache_queries_total", "pagedserve:prefix_cache_hits_total",
+    "pagedserve:num_preemptions_total", "pagedserve:prompt_tokens_total",
+    "pagedserve:generation_tokens_total", "pagedserve:time_to_first_token_seconds",
+    "pagedserve:inter_token_latency_seconds", "pagedserve:e2e_request_latency_seconds",
+}
+
+
+def test_every_promised_metric_is_exported_once():
+    names = [m.name for m in ENGINE_METRICS]
+    assert set(names) == ISSUE_NAMES and len(names) == len(ISSUE_NAMES)
+    for m in ENGINE_METRICS:
+        assert m.name.endswith("_total") == (m.kind is MetricKind.COUNTER), m.name
+
+
+def test_read_values_from_a_snapshot():
+    metrics = EngineMetrics()
+    for v in (0.001, 0.003, 0.005, 100.0, 5000.0):  # on a bound, inside, overflow
+        metrics.observe_first_token(v)
+    metrics.observe_finished("stop", 1.0)
+    metrics.observe_finished("length", 2.0)
+    snap = metrics.snapshot()
+    by_name = {m.name: m for m in ENGINE_METRICS}
+    ttft = by_name["pagedserve:time_to_first_token_seconds"].read(snap)
+    buckets = dict(cumulative_buckets(ttft))
+    assert buckets[0.001] == 1  # Prometheus `le`: a value on the bound counts in that bucket
+    assert buckets[0.005] == 3
+    assert buckets[640.0] == 4
+    assert buckets[float("inf")] == 5 == ttft.count
+    assert abs(ttft.sum - 5100.009) < 1e-9
+    assert REQUEST_SUCCESS.read(snap) == 2
+    assert by_name["pagedserve:prompt_tokens_total"].base_name == "pagedserve:prompt_tokens"
