@@ -2,13 +2,13 @@
 
 Per layer the cache is ``key_cache`` / ``value_cache`` ``[num_blocks, block_size, num_kv_heads,
 head_dim]`` in the storage dtype. Quantized caches (int8, fp8_e4m3, fp8_e5m2; format in
-pagedserve.kernels.kv_quant) add fp32 scales:
+pagedserve.kernels.kv_quant) add scales:
 
-* dynamic (default): ``k_scale`` / ``v_scale`` ``[num_blocks, block_size, num_kv_heads]`` per layer,
-  one per token and KV head, in the same block index space as the cache. Their bytes count in
-  `KVCacheSpec.bytes_per_block`, so the pool is sized with them: head_dim 64 costs 64 + 4 bytes
-  per token and head in int8 versus 128 in bf16 (1.88x the tokens) and 256 in fp32 (3.76x).
-* static: a checkpoint's per-tensor ``k_scale`` / ``v_scale`` (vLLM's fp8 layout), 0-dim per layer;
+* dynamic (default): bf16 ``k_scale`` / ``v_scale`` ``[num_blocks, block_size, num_kv_heads]`` per
+  layer, one per token and KV head, in the same block index space as the cache. Their bytes count
+  in `KVCacheSpec.bytes_per_block`, so the pool is sized with them: head_dim 64 costs 64 + 2 bytes
+  per token and head in int8 versus 128 in bf16 (1.94x the tokens) and 256 in fp32 (3.88x).
+* static (fp32): a checkpoint's per-tensor ``k_scale`` / ``v_scale`` (vLLM's fp8 layout), 0-dim per layer;
   no per-block bytes. Used for fp8 caches only: the scales are calibrated for the fp8 range.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.core.errors import ConfigError
-from pagedserve.kernels.kv_quant import SCALE_DTYPE, is_quantized
+from pagedserve.kernels.kv_quant import DYNAMIC_SCALE_DTYPE, STATIC_SCALE_DTYPE, is_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 @dataclass(slots=True)
 class KVCacheTensors:
     """One layer's paged cache. key_cache/value_cache: [num_blocks, block_size, num_kv_heads, head_dim];
-    k_scale/v_scale: None (float cache), fp32 [num_blocks, block_size, num_kv_heads] (dynamic) or
+    k_scale/v_scale: None (float cache), bf16 [num_blocks, block_size, num_kv_heads] (dynamic) or
     fp32 0-dim (static)."""
 
     key_cache: torch.Tensor
@@ -78,7 +78,7 @@ class KVCacheSpec:
         slots = self.block_size * self.num_kv_heads
         per_tensor = slots * self.head_dim * self.dtype.itemsize
         if self.dynamic_scales:
-            per_tensor += slots * SCALE_DTYPE.itemsize
+            per_tensor += slots * DYNAMIC_SCALE_DTYPE.itemsize
         return self.num_layers * 2 * per_tensor
 
     def num_blocks(self, budget_bytes: int) -> int:
@@ -144,12 +144,12 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device)
     for layer in range(spec.num_layers):
         k_scale = v_scale = None
         if spec.dynamic_scales:
-            k_scale = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
-            v_scale = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
+            k_scale = torch.zeros(shape[:3], dtype=DYNAMIC_SCALE_DTYPE, device=device)
+            v_scale = torch.zeros(shape[:3], dtype=DYNAMIC_SCALE_DTYPE, device=device)
         elif spec.static_scales is not None:
             k, v = spec.static_scales[layer]
-            k_scale = torch.tensor(k, dtype=SCALE_DTYPE, device=device)
-            v_scale = torch.tensor(v, dtype=SCALE_DTYPE, device=device)
+            k_scale = torch.tensor(k, dtype=STATIC_SCALE_DTYPE, device=device)
+            v_scale = torch.tensor(v, dtype=STATIC_SCALE_DTYPE, device=device)
         caches.append(KVCacheTensors(torch.zeros(shape, dtype=spec.dtype, device=device),
                                      torch.zeros(shape, dtype=spec.dtype, device=device), k_scale, v_scale))
     return caches

@@ -64,7 +64,7 @@ def reshape_and_cache(
     slot_mapping: int64 [num_tokens]; token i goes to slot ``slot_mapping[i]`` =
                   ``block_id * block_size + offset_in_block``. Slots must be unique and in range
                   (no negative "skip" slots); every other slot is left untouched.
-    k_scale, v_scale: None for a float cache. For a quantized cache either fp32
+    k_scale, v_scale: None for a float cache. For a quantized cache either bf16
                   [num_blocks, block_size, num_kv_heads] (dynamic: this call writes the new tokens'
                   scales at their slots) or fp32 0-dim (static per-tensor: read only).
     """

@@ -109,7 +109,7 @@ def _paged_attention_kernel(
         if QUANT == 1:
             # Scales are [slots, num_kv_heads]; slot = blk * block_size + in_blk.
             sc_off = (blk * block_size + in_blk) * num_kv_heads + kv_head
-            s = s * tl.load(k_scale_ptr + sc_off, mask=k_ok, other=0.0)[None, :]
+            s = s * tl.load(k_scale_ptr + sc_off, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         elif QUANT == 2:
             s = s * tl.load(k_scale_ptr)
         s = s * qk_scale
@@ -122,7 +122,7 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if QUANT == 1:
-            p = p * tl.load(v_scale_ptr + sc_off, mask=k_ok, other=0.0)[None, :]
+            p = p * tl.load(v_scale_ptr + sc_off, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         elif QUANT == 2:
             p = p * tl.load(v_scale_ptr)
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :],

@@ -12,12 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.kv_quant import MIN_SCALE, scale_mode
+from pagedserve.kernels.kv_quant import BF16_KEEP_MASK, BF16_ROUND_UP_ADD, MIN_SCALE, scale_mode
 from pagedserve.kernels.triton.quant import check_cache_dtype_supported, quant_constexprs, quantize_to_grid
 
 __all__ = ["reshape_and_cache"]
 
 MODES = {"none": 0, "dynamic": 1, "static": 2}
+# Triton kernels may only read constexpr globals.
+_BF16_ROUND_UP_ADD = tl.constexpr(BF16_ROUND_UP_ADD)
+_BF16_KEEP_MASK = tl.constexpr(BF16_KEEP_MASK)
 
 
 @triton.jit
@@ -37,7 +40,11 @@ def _store_one(x, cache_ptr, scale_ptr, slot, h, hmask, offs, mask, num_kv_heads
             # Dynamic: one symmetric scale per (token, head); scales are [slots, num_kv_heads].
             amax = tl.max(tl.abs(x), axis=1)
             scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), MIN_SCALE_C)
-            tl.store(scale_ptr + slot * num_kv_heads + h, scale, mask=hmask)
+            # Round up to the bf16 grid (kv_quant.round_scale_up's bit arithmetic), so the codes
+            # below are computed with exactly the scale that is stored.
+            bits = (scale.to(tl.int32, bitcast=True) + _BF16_ROUND_UP_ADD) & _BF16_KEEP_MASK
+            scale = bits.to(tl.float32, bitcast=True)
+            tl.store(scale_ptr + slot * num_kv_heads + h, scale.to(scale_ptr.dtype.element_ty), mask=hmask)
             xb, sb = tl.broadcast(x, scale[:, None])
         else:
             xb, sb = tl.broadcast(x, tl.full([1, 1], 0.0, tl.float32) + tl.load(scale_ptr))
@@ -80,7 +87,7 @@ def reshape_and_cache(
                   token and head strides are free: q/k/v may be views of one fused projection).
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, same dtype.
     slot_mapping: int64 [num_tokens], unique slots in range.
-    k_scale, v_scale: None (float cache), fp32 [num_blocks, block_size, num_kv_heads] contiguous
+    k_scale, v_scale: None (float cache), bf16 [num_blocks, block_size, num_kv_heads] contiguous
                   (dynamic, written here) or fp32 0-dim (static, read).
     """
     assert key_cache.dim() == 4 and value_cache.shape == key_cache.shape, (

@@ -38,7 +38,7 @@ def quantize_cache(cache: torch.Tensor, cache_dtype: torch.dtype, scale: torch.T
     out.view(torch.uint8)[used] = codes.view(torch.uint8)
     if scale is not None:
         return out.view(nb, bs, h, d), scale
-    scales = torch.full((nb * bs, h), math.nan)
+    scales = torch.full((nb * bs, h), math.nan, dtype=s.dtype)
     scales[used] = s
     return out.view(nb, bs, h, d), scales.view(nb, bs, h)
 
