@@ -96,8 +96,11 @@ class CompletionRenderer(_Renderer):
         return row
 
     def _entry_row(self, choice: _Choice, entry: TokenLogprobs) -> dict:
-        top = {self._token_str(t): lp for t, lp in entry.top}
-        top.setdefault(self._token_str(entry.token_id), entry.logprob)  # the sampled token is always listed
+        # Keyed by text, as OpenAI's format is: where tokens decode alike (partial UTF-8 bytes) the
+        # most likely one keeps the key. The sampled token is always listed.
+        top: dict[str, float] = {}
+        for token_id, logprob in ((*entry.top, (entry.token_id, entry.logprob))):
+            top.setdefault(self._token_str(token_id), logprob)
         return self._row(choice, self._token_str(entry.token_id), entry.logprob, top)
 
     def chunk(self, prompt_index: int, out: RequestOutput) -> dict[str, Any]:
