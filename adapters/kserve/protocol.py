@@ -7,6 +7,7 @@ checked here: SamplingParams.from_dict checks them, with the same messages every
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -154,18 +155,37 @@ _KSERVE_PARAMETERS = {"binary_data_output"}
 def infer_sampling_params(parameters: Any) -> SamplingParams:
     """v2 infer request parameters (a REST dict, or gRPC's map of InferParameter) -> SamplingParams.
 
-    gRPC wraps each value in a oneof (bool/int64/double/string...); kserve's own converter drops
-    doubles (temperature!), so the oneof is unwrapped here.
+    Each parameter is a sampling parameter, or `sampling_parameters`: a JSON object in a string
+    (the Triton LLM convention), which also carries what scalar parameters cannot: lists (stop)
+    and, over gRPC, floats: kserve's gRPC InferParameter has no double field, so a client's
+    double (tritonclient's temperature=0.0) arrives with no value.
     """
     data: dict[str, Any] = {}
     for key, value in (parameters or {}).items():
         if key in _KSERVE_PARAMETERS:
             continue
-        if hasattr(value, "WhichOneof"):
+        if hasattr(value, "WhichOneof"):  # gRPC InferParameter: unwrap the oneof
             which = value.WhichOneof("parameter_choice")
-            value = getattr(value, which) if which else None
-        data[key] = value
+            if which is None:
+                raise OpenAIError(400, f"parameter {key!r} arrived without a value (kserve's gRPC parameters "
+                                       "hold only bool, int64 and string); send floats and lists inside the "
+                                       "JSON string parameter 'sampling_parameters'", param=key)
+            value = getattr(value, which)
+        if key == "sampling_parameters":
+            data.update(_json_object(value, key))
+        else:
+            data[key] = value
     return SamplingParams.from_dict(data)
+
+
+def _json_object(value: Any, what: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as exc:
+        raise OpenAIError(400, f"{what} is not valid JSON: {exc}", param=what) from None
+    if not isinstance(obj, dict):
+        raise OpenAIError(400, f"{what} must be a JSON object of sampling parameters", param=what)
+    return obj
 
 
 def text_inputs(values: Any, what: str) -> list[str]:
