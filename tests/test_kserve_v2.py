@@ -36,9 +36,13 @@ def server(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_model_dir):
-    engine = LLMEngine(EngineConfig.from_dict({"model": str(tiny_model_dir("llama")), "dtype": "float32"}))
-    return [r.text for r in engine.generate(PROMPTS, SamplingParams(**PARAMS))]
+def oracle(tiny_model_dir):
+    return LLMEngine(EngineConfig.from_dict({"model": str(tiny_model_dir("llama")), "dtype": "float32"}))
+
+
+@pytest.fixture(scope="module")
+def expected(oracle):
+    return [r.text for r in oracle.generate(PROMPTS, SamplingParams(**PARAMS))]
 
 
 def _text_input(module, n: int):
@@ -85,6 +89,14 @@ def test_v1_predict(server, expected):
     r = httpx.post(f"{server.url}/v1/models/{MODEL}:predict", json={"instances": PROMPTS, "parameters": PARAMS},
                    timeout=60)
     assert r.status_code == 200 and r.json() == {"predictions": expected}
+
+
+def test_v1_predict_with_n_samples_returns_one_prediction_per_sample(server, oracle):
+    params = {"n": 2, "seed": 5, "temperature": 0.8, "max_tokens": 6}
+    r = httpx.post(f"{server.url}/v1/models/{MODEL}:predict", json={"instances": PROMPTS, "parameters": params},
+                   timeout=60)
+    want = oracle.generate(PROMPTS, SamplingParams(**params))  # prompt-major: p0 s0, p0 s1, p1 s0, p1 s1
+    assert r.status_code == 200 and r.json()["predictions"] == [w.text for w in want]
 
 
 @pytest.mark.parametrize("body,needle", [

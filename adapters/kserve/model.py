@@ -18,6 +18,7 @@ from kserve import InferOutput, InferRequest, InferResponse, Model
 from kserve.errors import InferenceError, InvalidInput
 
 from pagedserve.adapters.kserve.errors import OpenAIError, to_openai_error
+from pagedserve.adapters.kserve.openai_routes import generate_all
 from pagedserve.adapters.kserve.protocol import infer_sampling_params, text_inputs
 from pagedserve.core.async_engine import AsyncLLMEngine
 from pagedserve.core.config import EngineConfig
@@ -74,22 +75,14 @@ class PagedServeModel(Model):
         return [{"name": OUTPUT_NAME, "datatype": "BYTES", "shape": [-1]}]
 
     async def _complete(self, prompts: list[str], params: SamplingParams) -> list[str]:
+        """One text per prompt and sample (prompt-major), generated concurrently."""
         engine = self.warm_engine()
         if engine is None:
             raise InferenceError("the model is still loading", status=503)
-        base = uuid.uuid4().hex
-
-        async def one(i: int, prompt: str) -> str:
-            parts = [out.text async for out in engine.generate(f"infer-{base}-{i}", prompt, params)]
-            return "".join(parts)
-
-        tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:  # one prompt failed (or the caller went away): abort the others too
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        texts: list[list[str]] = [[] for _ in range(len(prompts) * params.n)]
+        async for i, out in generate_all(engine, f"infer-{uuid.uuid4().hex}", prompts, params):
+            texts[i * params.n + out.index].append(out.text)
+        return ["".join(parts) for parts in texts]
 
     async def predict(self, payload: dict | InferRequest, headers: dict[str, str] | None = None,
                       ) -> dict | InferResponse:

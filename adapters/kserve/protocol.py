@@ -128,18 +128,20 @@ def parse_request(cls: type[_GenerateRequest], body: bytes) -> _GenerateRequest:
         errors = exc.errors(include_url=False)
         if any(e["type"] == "json_invalid" for e in errors):
             raise OpenAIError(400, f"the request body is not valid JSON: {errors[0]['msg']}") from None
-        first = errors[0]
-        # Drop pydantic's union-branch names ("str", "list[int]") from the location.
-        loc = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPES)))
         wrong = "; ".join(_describe(e) for e in errors[:3])
-        raise OpenAIError(400, f"invalid request: {wrong}", param=loc or None) from None
+        raise OpenAIError(400, f"invalid request: {wrong}", param=_field(errors[0]) or None) from None
 
 
-_TYPES = {"str", "int", "float", "bool", "function-after", "TextPart", "ChatMessage"}
+_UNION_BRANCHES = {"str", "int", "float", "bool", "TextPart", "ChatMessage"}
+
+
+def _field(error: dict[str, Any]) -> str:
+    """The field's path as the client wrote it, without pydantic's union-branch names (str, list[int])."""
+    return ".".join(str(p) for p in error["loc"] if not (isinstance(p, str) and ("[" in p or p in _UNION_BRANCHES)))
 
 
 def _describe(e: dict[str, Any]) -> str:
-    loc = ".".join(str(p) for p in e["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPES)))
+    loc = _field(e)
     if e["type"] == "extra_forbidden":
         return f"{loc}: unknown or unsupported field (remove it)"
     if e["type"] == "missing":
