@@ -36,6 +36,7 @@ DISCONNECT_POLL_S = 0.2
 """How often a waiting non-streaming request checks its client is still there."""
 
 T = TypeVar("T")
+R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
 Output = tuple[int, RequestOutput]  # (prompt index, delta)
 
 
@@ -130,12 +131,16 @@ class OpenAIServing:
             raise not_ready()
         return engine
 
+    async def _accept(self, cls: type[R], request: Request) -> tuple[R, AsyncLLMEngine]:
+        """The validated body of a request for the served model, and the engine to run it on."""
+        req = parse_request(cls, await request.body())
+        if req.model != self.model_name:
+            raise model_not_found(req.model, self.model_name)
+        return req, self._engine()
+
     async def completions(self, request: Request) -> Response:
         try:
-            req = parse_request(CompletionRequest, await request.body())
-            if req.model != self.model_name:
-                raise model_not_found(req.model, self.model_name)
-            engine = self._engine()
+            req, engine = await self._accept(CompletionRequest, request)
             prompts, params = req.prompts(), req.sampling_params()
         except (OpenAIError, PagedServeError) as exc:
             return error_response(exc)
@@ -146,10 +151,7 @@ class OpenAIServing:
 
     async def chat_completions(self, request: Request) -> Response:
         try:
-            req = parse_request(ChatCompletionRequest, await request.body())
-            if req.model != self.model_name:
-                raise model_not_found(req.model, self.model_name)
-            engine = self._engine()
+            req, engine = await self._accept(ChatCompletionRequest, request)
             params = req.sampling_params()
             prompt = engine.engine.apply_chat_template([m.as_template_input() for m in req.messages],
                                                        add_generation_prompt=req.add_generation_prompt)
