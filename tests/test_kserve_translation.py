@@ -147,3 +147,18 @@ def test_metrics_collector_exports_the_snapshot():
     empty = CollectorRegistry()
     empty.register(EngineMetricsCollector(lambda: None, "m", "7"))
     assert b"pagedserve" not in generate_latest(empty)
+
+
+def test_openai_routes_answer_503_until_the_engine_is_warm():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from pagedserve.adapters.kserve.openai_routes import OpenAIServing
+
+    app = FastAPI()
+    OpenAIServing("m", lambda: None).register(app)  # the engine is still loading
+    client = TestClient(app)
+    r = client.post("/openai/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+    assert client.post("/openai/v1/completions", json={"model": "x", "prompt": "hi"}).status_code == 404
+    assert client.get("/openai/v1/models").json()["data"][0]["id"] == "m"

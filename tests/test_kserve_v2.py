@@ -5,6 +5,7 @@ readiness, /metrics, and the CLI's own errors. Outputs are checked against the i
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -136,6 +137,34 @@ def test_metrics_export_the_shared_engine_table(server):
             engine_value(after, f"pagedserve:{hist}_count", MODEL)
     assert delta("pagedserve:inter_token_latency_seconds_count") == 6  # 7 tokens, 6 gaps
     assert engine_value(after, "pagedserve:num_requests_running", MODEL) == 0
+
+
+WARMUP_CHECK = """
+import asyncio, sys
+from pagedserve.adapters.kserve.model import PagedServeModel
+from pagedserve.core.config import EngineConfig
+
+model = PagedServeModel("m", EngineConfig.from_dict({"model": sys.argv[1], "dtype": "float32"}))
+
+async def main():
+    before = (model.ready, await model.healthy(), model.warm_engine())
+    await model.start_engine()
+    after = (await model.healthy(), model.warm_engine() is model.llm, model.llm.metrics.generation_tokens_total)
+    model.stop()
+    print(before, after, await model.healthy())
+
+asyncio.run(main())
+"""
+
+
+def test_model_is_healthy_only_after_the_engine_warmed_up(tiny_model_dir):
+    # kserve registers a model only if `ready` at start; probes then see healthy(), which must stay
+    # false until start_engine() has loaded the engine and generated once. kserve is imported
+    # in a child interpreter (it cannot share this process with tritonclient.grpc).
+    proc = subprocess.run([sys.executable, "-c", WARMUP_CHECK, str(tiny_model_dir("llama"))],
+                          capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "(True, False, None) (True, True, 1) False"
 
 
 def test_cli_rejects_a_bad_engine_flag_before_starting(tiny_model_dir):
