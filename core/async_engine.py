@@ -155,11 +155,13 @@ class AsyncLLMEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            stream.put(out)
+            if stream is not None:
+                stream.put(out)
+        # Forget a stream only after the whole step is delivered: several samples of one request
+        # (n > 1) can finish in the same step, and the request is no longer live after the first.
+        for out in outputs:
             if out.finished and not self.engine.is_live(out.request_id):
-                del self._streams[out.request_id]
+                self._streams.pop(out.request_id, None)
 
     def _fail_all(self, exc: BaseException, record: bool = True) -> None:
         if record:

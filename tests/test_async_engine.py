@@ -160,3 +160,25 @@ def test_step_failure_fails_every_stream_and_nothing_hangs(engine_config):
     assert isinstance(later, EngineDead)
     assert not engine.is_healthy()
     engine.shutdown()
+
+
+def test_samples_finishing_in_the_same_step_all_reach_the_stream(engine_config):
+    # n=3 seeded: sample 0 runs one step ahead of its followers, so samples 1 and 2 finish together
+    # in one step; each of the three samples must still deliver its final output (none may hang).
+    engine = AsyncLLMEngine(engine_config)
+    params = SamplingParams(max_tokens=10, temperature=0.9, n=3, seed=11)
+    prompt = prompts(1, 5)[0]
+    offline = LLMEngine(engine_config).generate([prompt], params)
+
+    async def main():
+        outs = []
+        async for out in engine.generate("n3", prompt, params):
+            outs.append(out)
+        return outs
+
+    outs = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    finals = sorted((o.index, o.finish_reason) for o in outs if o.finished)
+    assert finals == [(0, "length"), (1, "length"), (2, "length")]
+    for k in range(3):
+        assert [t for o in outs if o.index == k for t in o.new_token_ids] == list(offline[k].token_ids)
+    engine.shutdown()

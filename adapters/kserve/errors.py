@@ -1,0 +1,55 @@
+"""core's typed errors -> HTTP status and OpenAI's error JSON, mapped once for the whole adapter.
+
+OpenAI clients parse `{"error": {"message", "type", "param", "code"}}` and raise by status
+(openai.BadRequestError for 400, NotFoundError for 404, ...), so every error path goes through here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.core.errors import EngineDead, InvalidRequest, PagedServeError, RequestTooLong
+
+
+@dataclass
+class OpenAIError(Exception):
+    """An error the adapter itself raises (bad JSON, unknown model) with its HTTP status."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def to_openai_error(exc: BaseException) -> OpenAIError:
+    """The one mapping from an exception to what the client sees."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, RequestTooLong):
+        return OpenAIError(400, str(exc), code="context_length_exceeded")
+    if isinstance(exc, InvalidRequest):  # also DuplicateRequest
+        return OpenAIError(400, str(exc))
+    if isinstance(exc, EngineDead):  # the engine serves nothing more: tell load balancers to go elsewhere
+        return OpenAIError(503, str(exc), type="service_unavailable_error", code="engine_dead")
+    if isinstance(exc, PagedServeError):
+        return OpenAIError(500, str(exc), type="server_error")
+    return OpenAIError(500, f"internal error: {exc!r}", type="server_error")
+
+
+def error_body(err: OpenAIError) -> dict[str, Any]:
+    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+
+
+def model_not_found(requested: str, served: str) -> OpenAIError:
+    return OpenAIError(404, f"The model `{requested}` does not exist; this server serves `{served}`",
+                       param="model", code="model_not_found")
+
+
+def not_ready() -> OpenAIError:
+    return OpenAIError(503, "the model is still loading; retry when /v2/models/<name>/ready answers 200",
+                       type="service_unavailable_error", code="model_not_ready")

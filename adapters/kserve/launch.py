@@ -1,0 +1,82 @@
+"""Run `pagedserve kserve` in a child process and wait until the model is ready (tests, benchmarks,
+notebooks). Imports no kserve: the server has its own interpreter, so the caller may use
+tritonclient.grpc (which cannot share a process with kserve)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class KServeProcess:
+    proc: subprocess.Popen
+    model_name: str
+    http_port: int
+    grpc_port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def openai_url(self) -> str:
+        return f"{self.url}/openai/v1"
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM (kserve drains and stops), SIGKILL if it does not exit in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def start_kserve(model: str | Path, log_path: Path, model_name: str = "pagedserve",
+                 args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 timeout: float = 300.0) -> KServeProcess:
+    """Start the server on loopback free ports; return once /v2/models/<name>/ready answers 200
+    (the engine has loaded and warmed up). Raises with the log's tail if it exits or times out."""
+    http_port, grpc_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "pagedserve.core.cli", "kserve", "--model", str(model), "--model-name", model_name,
+           "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port), *args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    server = KServeProcess(proc, model_name, http_port, grpc_port, Path(log_path))
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the kserve server exited with {proc.returncode}:\n{server.log_tail()}")
+            try:
+                if httpx.get(f"{server.url}/v2/models/{model_name}/ready", timeout=2).status_code == 200:
+                    return server
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the kserve server was not ready after {timeout}s:\n{server.log_tail()}")
+            time.sleep(0.25)
+    except BaseException:
+        server.stop()
+        raise

@@ -1,0 +1,196 @@
+"""OpenAI-compatible routes (/openai/v1/...) served on kserve's FastAPI app, at the paths KServe's
+huggingfaceserver uses, so existing OpenAI clients only change the base URL.
+
+kserve's own OpenAI layer needs vLLM's request types (CONTRACTS.md), so we serve these ourselves.
+This module imports no kserve: it only needs a FastAPI app and an AsyncLLMEngine. It translates
+and nothing more: every request goes straight to AsyncLLMEngine.generate, which batches.
+
+Disconnects: a streaming response's generator is cancelled by Starlette when the client goes away,
+which closes the engine iterator and aborts the request. A non-streaming handler is never told, so
+it polls request.is_disconnected() while it waits and cancels the generation itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pagedserve.adapters.kserve.errors import (OpenAIError, error_body, model_not_found, not_ready,
+                                               to_openai_error)
+from pagedserve.adapters.kserve.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from pagedserve.adapters.kserve.responses import ChatRenderer, CompletionRenderer, _Renderer
+from pagedserve.core.async_engine import AsyncLLMEngine
+from pagedserve.core.errors import PagedServeError
+from pagedserve.core.outputs import RequestOutput
+from pagedserve.core.sampling_params import SamplingParams
+
+DISCONNECT_POLL_S = 0.2
+"""How often a waiting non-streaming request checks its client is still there."""
+
+T = TypeVar("T")
+R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
+Output = tuple[int, RequestOutput]  # (prompt index, delta)
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    err = to_openai_error(exc)
+    return JSONResponse(error_body(err), status_code=err.status)
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def generate_all(engine: AsyncLLMEngine, request_id: str, prompts: Sequence[str | list[int]],
+                       params: SamplingParams) -> AsyncIterator[Output]:
+    """Deltas of every prompt of one HTTP request, as they come. Closing this iterator (or an
+    error in one prompt) closes every engine stream, which aborts their requests."""
+    if len(prompts) == 1:  # the common case, without the extra tasks
+        async for out in engine.generate(request_id, prompts[0], params):
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, prompt: str | list[int]) -> None:
+        try:
+            async for out in engine.generate(f"{request_id}-{i}", prompt, params):
+                queue.put_nowait((i, out))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, never lost in a task
+            queue.put_nowait((i, exc))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(prompts)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnected(request: Request, aw: Awaitable[T]) -> T:
+    """Await `aw`, cancelling it (and raising ClientDisconnected) if the client goes away first."""
+    task = asyncio.ensure_future(aw)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def _collect(outputs: AsyncIterator[Output], renderer: _Renderer) -> None:
+    async for i, out in outputs:
+        renderer.add(i, out)
+
+
+class OpenAIServing:
+    def __init__(self, model_name: str, get_engine: Callable[[], AsyncLLMEngine | None]) -> None:
+        self.model_name = model_name
+        self._get_engine = get_engine
+        """Returns the engine once it has warmed up, None while it loads."""
+        self.created = int(time.time())
+
+    def register(self, app: FastAPI) -> None:
+        app.add_api_route("/openai/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/openai/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/openai/v1/models", self.models, methods=["GET"])
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve"}]})
+
+    def _engine(self) -> AsyncLLMEngine:
+        engine = self._get_engine()
+        if engine is None:
+            raise not_ready()
+        return engine
+
+    async def _accept(self, cls: type[R], request: Request) -> tuple[R, AsyncLLMEngine]:
+        """The validated body of a request for the served model, and the engine to run it on."""
+        req = parse_request(cls, await request.body())
+        if req.model != self.model_name:
+            raise model_not_found(req.model, self.model_name)
+        return req, self._engine()
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            req, engine = await self._accept(CompletionRequest, request)
+            prompts, params = req.prompts(), req.sampling_params()
+        except (OpenAIError, PagedServeError) as exc:
+            return error_response(exc)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        renderer = CompletionRenderer(request_id, self.model_name, engine.engine.tokenizer, params.n,
+                                      params.logprobs is not None, req.echo, prompts)
+        return await self._respond(request, engine, prompts, params, renderer, req.stream, req.include_usage)
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            req, engine = await self._accept(ChatCompletionRequest, request)
+            params = req.sampling_params()
+            prompt = engine.engine.apply_chat_template([m.as_template_input() for m in req.messages],
+                                                       add_generation_prompt=req.add_generation_prompt)
+        except (OpenAIError, PagedServeError) as exc:
+            return error_response(exc)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        renderer = ChatRenderer(request_id, self.model_name, engine.engine.tokenizer, params.n,
+                                params.logprobs is not None)
+        return await self._respond(request, engine, [prompt], params, renderer, req.stream, req.include_usage)
+
+    async def _respond(self, request: Request, engine: AsyncLLMEngine, prompts: Sequence[str | list[int]],
+                       params: SamplingParams, renderer: _Renderer, stream: bool, include_usage: bool) -> Response:
+        outputs = generate_all(engine, renderer.request_id, prompts, params)
+        try:
+            if not stream:
+                await until_disconnected(request, _collect(outputs, renderer))
+                return JSONResponse(renderer.body())
+            # Wait for the first delta before answering 200: a request the engine rejects
+            # (too long, bad token ids) then gets a proper error status instead of a broken stream.
+            first = await until_disconnected(request, anext(outputs))
+        except ClientDisconnected:
+            return Response(status_code=499)  # nobody reads it; the engine request is already aborted
+        except Exception as exc:  # noqa: BLE001 - every request ends with one answer
+            await outputs.aclose()
+            return error_response(exc)
+        return StreamingResponse(self._sse(first, outputs, renderer, include_usage),
+                                 media_type="text/event-stream")
+
+    @staticmethod
+    async def _sse(first: Output, outputs: AsyncIterator[Output], renderer: _Renderer,
+                   include_usage: bool) -> AsyncIterator[str]:
+        try:
+            yield _event(renderer.chunk(*first))
+            async for i, out in outputs:
+                yield _event(renderer.chunk(i, out))
+            if include_usage:
+                yield _event(renderer.usage_chunk())
+        except Exception as exc:  # noqa: BLE001 - the status is already sent: report it in the stream
+            yield _event(error_body(to_openai_error(exc)))
+        finally:  # also on cancellation (client gone): closing the engine streams aborts them
+            await outputs.aclose()
+        yield "data: [DONE]\n\n"

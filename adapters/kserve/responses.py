@@ -1,0 +1,161 @@
+"""Engine deltas (RequestOutput) -> OpenAI completion / chat bodies and SSE chunks.
+
+One renderer per HTTP request. Streaming turns each delta into a chunk; non-streaming feeds the
+same deltas in and renders one body at the end, so both paths share every formatting rule
+(choice index = prompt_index * n + sample index, echo, logprobs, usage).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.core.outputs import RequestOutput, TokenLogprobs
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    logprob_rows: list[dict[str, Any]] = field(default_factory=list)
+    offset: int = 0
+    """Characters of this choice so far (completions' text_offset)."""
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+
+
+class _Renderer:
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, request_id: str, model: str, tokenizer: Any, n: int, want_logprobs: bool) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.tokenizer = tokenizer
+        self.n = n
+        self.want_logprobs = want_logprobs
+        self.choices: dict[int, _Choice] = {}
+        self.prompt_tokens: dict[int, int] = {}
+        """prompt index -> its token count (counted once however many samples it has)."""
+
+    def _token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _update(self, prompt_index: int, out: RequestOutput) -> tuple[int, _Choice, bool]:
+        index = prompt_index * self.n + out.index
+        first = index not in self.choices
+        choice = self.choices.setdefault(index, _Choice())
+        self.prompt_tokens[prompt_index] = out.num_prompt_tokens
+        choice.num_output_tokens = out.num_output_tokens
+        if out.finished:
+            choice.finish_reason = out.finish_reason
+        return index, choice, first
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(self.prompt_tokens.values())
+        completion = sum(c.num_output_tokens for c in self.choices.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The extra last chunk of stream_options.include_usage: no choices, only usage."""
+        return {**self._envelope(self.chunk_object_name, []), "usage": self.usage()}
+
+    def add(self, prompt_index: int, out: RequestOutput) -> None:
+        """Non-streaming: accumulate a delta."""
+        self.chunk(prompt_index, out)
+
+    def body(self) -> dict[str, Any]:
+        choices = [self._final_choice(i, self.choices[i]) for i in sorted(self.choices)]
+        return {**self._envelope(self.object_name, choices), "usage": self.usage()}
+
+    def chunk(self, prompt_index: int, out: RequestOutput) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _final_choice(self, index: int, choice: _Choice) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionRenderer(_Renderer):
+    object_name = chunk_object_name = "text_completion"
+
+    def __init__(self, request_id: str, model: str, tokenizer: Any, n: int, want_logprobs: bool,
+                 echo: bool, prompts: Sequence[str | Sequence[int]]) -> None:
+        super().__init__(request_id, model, tokenizer, n, want_logprobs)
+        self.echo = echo
+        self.prompts = prompts
+        self._prompt_logprobs: dict[int, tuple[TokenLogprobs | None, ...]] = {}
+
+    def _row(self, choice: _Choice, token: str, logprob: float | None, top: dict[str, float] | None) -> dict:
+        row = {"token": token, "logprob": logprob, "top": top, "offset": choice.offset}
+        choice.offset += len(token)
+        return row
+
+    def _entry_row(self, choice: _Choice, entry: TokenLogprobs) -> dict:
+        # Keyed by text, as OpenAI's format is: where tokens decode alike (partial UTF-8 bytes) the
+        # most likely one keeps the key. The sampled token is always listed.
+        top: dict[str, float] = {}
+        for token_id, logprob in ((*entry.top, (entry.token_id, entry.logprob))):
+            top.setdefault(self._token_str(token_id), logprob)
+        return self._row(choice, self._token_str(entry.token_id), entry.logprob, top)
+
+    def chunk(self, prompt_index: int, out: RequestOutput) -> dict[str, Any]:
+        index, choice, first = self._update(prompt_index, out)
+        if out.prompt_logprobs is not None:
+            self._prompt_logprobs[prompt_index] = out.prompt_logprobs
+        text, rows = out.text, []
+        if first and self.echo:
+            prompt = self.prompts[prompt_index]
+            prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(list(prompt))
+            if self.want_logprobs:  # the first prompt token has no logprob (nothing precedes it)
+                for tok, entry in zip(out.prompt_token_ids, self._prompt_logprobs.get(prompt_index, ())):
+                    rows.append(self._entry_row(choice, entry) if entry is not None
+                                else self._row(choice, self._token_str(tok), None, None))
+            choice.offset = len(prompt_text)
+            text = prompt_text + text
+        if self.want_logprobs:
+            rows += [self._entry_row(choice, e) for e in out.logprobs or ()]
+        choice.text.append(text)
+        choice.logprob_rows += rows
+        return self._envelope(self.chunk_object_name, [{
+            "index": index, "text": text, "logprobs": self._columns(rows) if self.want_logprobs else None,
+            "finish_reason": out.finish_reason if out.finished else None}])
+
+    @staticmethod
+    def _columns(rows: list[dict]) -> dict[str, list]:
+        return {"tokens": [r["token"] for r in rows], "token_logprobs": [r["logprob"] for r in rows],
+                "top_logprobs": [r["top"] for r in rows], "text_offset": [r["offset"] for r in rows]}
+
+    def _final_choice(self, index: int, choice: _Choice) -> dict[str, Any]:
+        return {"index": index, "text": "".join(choice.text),
+                "logprobs": self._columns(choice.logprob_rows) if self.want_logprobs else None,
+                "finish_reason": choice.finish_reason}
+
+
+class ChatRenderer(_Renderer):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def _logprob(self, token_id: int, logprob: float) -> dict[str, Any]:
+        token = self._token_str(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    def chunk(self, prompt_index: int, out: RequestOutput) -> dict[str, Any]:
+        index, choice, first = self._update(prompt_index, out)
+        rows = [{**self._logprob(e.token_id, e.logprob), "top_logprobs": [self._logprob(t, lp) for t, lp in e.top]}
+                for e in out.logprobs or ()] if self.want_logprobs else []
+        choice.text.append(out.text)
+        choice.logprob_rows += rows
+        delta: dict[str, Any] = {"role": "assistant", "content": out.text} if first else {"content": out.text}
+        return self._envelope(self.chunk_object_name, [{
+            "index": index, "delta": delta, "logprobs": {"content": rows} if self.want_logprobs else None,
+            "finish_reason": out.finish_reason if out.finished else None}])
+
+    def _final_choice(self, index: int, choice: _Choice) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": "".join(choice.text)},
+                "logprobs": {"content": choice.logprob_rows} if self.want_logprobs else None,
+                "finish_reason": choice.finish_reason}
