@@ -199,6 +199,7 @@ def model(monkeypatch, tmp_path, tiny_model_dir):
     import importlib
     import pagedserve.adapters.triton_server as package
     module = importlib.import_module(name)
+    monkeypatch.setattr(module, "CANCEL_POLL_S", 0.0)  # poll on every delta: deterministic cancellation
     (tmp_path / "1").mkdir()
     settings = {"model": str(tiny_model_dir("llama")), "dtype": "float32", "num_kv_blocks": 64, "max_model_len": 128}
     (tmp_path / "1" / "engine.json").write_text(json.dumps(settings))
