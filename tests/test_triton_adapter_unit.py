@@ -244,3 +244,51 @@ def test_model_streams_with_one_final_and_errors_and_cancels(model):
     assert model.engine.metrics.kv_cache_usage_perc == 0.0
     success = FakeFamily.created["pagedserve:request_success_total"].metrics
     assert {m.labels["finished_reason"]: m.value for m in success} == {"length": 1, "abort": 1}
+
+
+# -- launcher ------------------------------------------------------------------------------------
+def test_backend_dir_holds_symlinks_and_env_finds_this_python(tmp_path):
+    import sysconfig
+    from pathlib import Path
+
+    from pagedserve.adapters.triton_server.launcher import make_backend_dir, server_env, wheel_dir
+
+    make_backend_dir(tmp_path)
+    links = sorted((tmp_path / "python").iterdir())
+    assert [p.name for p in links] == ["libtriton_python.so", "triton_python_backend_stub",
+                                       "triton_python_backend_utils.py"]
+    for link in links:  # symlinks, not copies: a copied stub hangs the model load
+        assert link.is_symlink() and link.resolve().is_relative_to(wheel_dir()) and link.resolve().is_file()
+    env = server_env({"PATH": "/usr/bin"}, model_override="/models/x")
+    assert env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
+    assert sysconfig.get_config_var("LIBDIR") in env["LD_LIBRARY_PATH"].split(":")
+    assert env["PAGEDSERVE_TRITON_MODEL"] == "/models/x"
+
+
+def test_launcher_names_a_missing_repository(tmp_path):
+    from pagedserve.core.cli import main
+
+    with pytest.raises(SystemExit, match="does not exist; pass --model-repository"):
+        main(["triton", "--model-repository", str(tmp_path / "nope"), "--http-port", "1"])
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "engine config file not found"),
+    ("{", "not valid JSON"),
+    ('{"model": "default", "max_num_seqs": 0}', "max_num_seqs"),
+    ('{"model": "default", "kv_cache_dtype": "int4"}', "kv_cache_dtype='int4'"),
+])
+def test_engine_json_errors_name_file_and_key(tmp_path, content, message):
+    from pagedserve.adapters.triton_server.engine_config import load_engine_config
+    from pagedserve.core.errors import ConfigError
+
+    path = tmp_path / "engine.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_engine_config(path)
+    assert str(path) in str(info.value)
+    if content is None:
+        return
+    path.write_text('{"model": "default", "block_size": 32}')
+    assert load_engine_config(path, model_override="/m").model.model == "/m"

@@ -27,4 +27,10 @@ def load_engine_config(path: Path, model_override: str | None = None) -> EngineC
         raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
     if model_override and isinstance(data, dict):
         data["model"] = model_override
-    return EngineConfig.from_dict(data, what=str(path))
+    try:
+        return EngineConfig.from_dict(data, what=str(path))
+    except ConfigError as exc:
+        if str(path) in str(exc):
+            raise
+        # Range checks inside the config sections name the key but not the file: add it.
+        raise ConfigError(f"{path}: {exc}") from None
