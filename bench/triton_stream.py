@@ -15,8 +15,9 @@ the same way; both sides detokenize their output.
   same engine.json, only the `pagedserve` model loaded; every request sent at once, one
   tritonclient.grpc stream each (stream=true), each read to its FINAL response.
 
-Both sides run a warm-up request before the clock starts; the in-process engine is shut down
-before the server starts, so they never share the CPU. The wall time runs from the first request
+Both sides run a warm-up request before the clock starts; one side finishes (engine shut down,
+server stopped) before the other starts, so they never share the CPU. The in-process side runs
+first unless --triton-first. The wall time runs from the first request
 sent to the last final response. The LAST line is `ratio triton_grpc_stream/inprocess_async: X.XXx`
 (target >= 0.9).
 """
@@ -166,6 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--engine-json", default=str(ROOT / "model_repository" / "pagedserve" / "1" / "engine.json"),
                     help="engine settings for both sides (default: the shipped pagedserve model's)")
     ap.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads for both sides")
+    ap.add_argument("--triton-first", action="store_true",
+                    help="run the server side first (swap the order to see how much the order matters)")
     return ap.parse_args(argv)
 
 
@@ -189,12 +192,25 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[workload] using {len(prompts)} requests, {sum(lengths)} output tokens"
           + (f" (capped at {args.max_tokens} each)" if args.max_tokens else ""))
 
-    peer, peer_texts, _tokenizer = run_inprocess(settings, prompts, lengths)
-    print_result(peer)
-    gc.collect()
-    with tempfile.TemporaryDirectory(prefix="pagedserve-bench-") as tmp:
-        ours, our_texts = run_triton(settings, prompts, lengths, peer.prompt_tokens, Path(tmp))
-    print_result(ours)
+    def inprocess():
+        result, texts, _tokenizer = run_inprocess(settings, prompts, lengths)
+        print_result(result)
+        gc.collect()
+        return result, texts
+
+    def triton(prompt_tokens: int):
+        with tempfile.TemporaryDirectory(prefix="pagedserve-bench-") as tmp:
+            result, texts = run_triton(settings, prompts, lengths, prompt_tokens, Path(tmp))
+        print_result(result)
+        return result, texts
+
+    if args.triton_first:
+        prompt_tokens = sum(len(tokenizer.encode(p)) for p in prompts)
+        ours, our_texts = triton(prompt_tokens)
+        peer, peer_texts = inprocess()
+    else:
+        peer, peer_texts = inprocess()
+        ours, our_texts = triton(peer.prompt_tokens)
     same = sum(a == b for a, b in zip(our_texts, peer_texts))
     print(f"[agreement] output text identical in {same}/{len(prompts)} requests")
     print_summary([ours, peer])
