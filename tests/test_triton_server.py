@@ -28,6 +28,7 @@ pytestmark = pytest.mark.timeout(240)
 
 PROMPT = "The paged KV cache hands out blocks"
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
+SMOLLM2_SETTINGS = {"model": "default", "dtype": "float32", "max_num_seqs": 8, "kv_cache_memory": 64 * 2**20}
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,10 @@ def server(tmp_path_factory, engine_settings):
     shutil.copytree(repo / "pagedserve", bad)
     (bad / "config.pbtxt").write_text((bad / "config.pbtxt").read_text().replace('"pagedserve"', '"pagedserve_badconfig"'))
     (bad / "1" / "engine.json").write_text(json.dumps({**engine_settings, "blok_size": 16}))
+    real = repo / "pagedserve_smollm2"  # the shipped engine.json's default model, loaded on demand
+    shutil.copytree(repo / "pagedserve", real)
+    (real / "config.pbtxt").write_text((real / "config.pbtxt").read_text().replace('"pagedserve"', '"pagedserve_smollm2"'))
+    (real / "1" / "engine.json").write_text(json.dumps(SMOLLM2_SETTINGS))
     http, grpc, metrics = free_ports(3)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     srv = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics,
@@ -292,3 +297,28 @@ def test_bad_engine_json_fails_the_load_naming_the_key(server):
         assert client.is_model_ready("pagedserve")
     finally:
         client.close()
+
+
+@pytest.mark.slow
+def test_real_model_chat_text_with_stop_string(server):
+    """The embedded SmolLM2 (real text, a multi-byte UTF-8 prompt, the chat template): the server's text equals
+    the in-process engine's, streamed or not, and a stop string ends it the same way."""
+    import tritonclient.grpc as grpcclient
+
+    oracle = LLMEngine(EngineConfig.from_dict(SMOLLM2_SETTINGS))
+    prompt = oracle.apply_chat_template([{"role": "user", "content": "Write the word café three times."}])
+    params = {"max_tokens": 24, "temperature": 0, "stop": ["\n\n"]}
+    ref = oracle.generate([prompt], SamplingParams(**params))[0]
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.load_model("pagedserve_smollm2")
+        whole = grpc_request(server.grpc_url, "pagedserve_smollm2",
+                             text_inputs(prompt, False, params, exclude_input_in_output=True,
+                                         return_finish_reason=True))
+        streamed = grpc_request(server.grpc_url, "pagedserve_smollm2", text_inputs(prompt, True, params))
+    finally:
+        client.unload_model("pagedserve_smollm2")
+        client.close()
+    assert whole.texts() == [ref.text] and ref.text.strip()
+    assert whole.responses[0][0].as_numpy("finish_reason")[0].decode() == ref.finish_reason
+    assert "".join(streamed.texts()) == ref.text
