@@ -1,0 +1,231 @@
+"""Triton tensors <-> engine, for the vllm_backend text contract (model_repository/pagedserve).
+
+Pure functions over numpy arrays and dicts: the model (model.py) reads the request's tensors into
+a dict and wraps what `TextResponseBuilder` returns in pb_utils tensors, so this module never
+imports a Triton package and is unit-tested directly.
+
+The contract and its quirks are vllm_backend's (CONTRACTS.md section 1):
+- `sampling_parameters` is a JSON object; when the tensor is absent the request's `parameters`
+  are used instead (that is how the keys of a `/generate` body that name no input arrive).
+- Clients written for vllm_backend send numbers as strings (`{"temperature": "0.1"}`); those are
+  converted for the numeric/boolean keys, as vllm_backend does, before the strict parser runs.
+- Non-streaming `text_output` is prompt + completion unless `exclude_input_in_output`; streaming
+  responses carry only the new text. With n > 1 every output has one element per sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pagedserve.core.errors import InvalidRequest
+from pagedserve.core.outputs import RequestOutput, TokenLogprobs
+from pagedserve.core.sampling_params import SamplingParams
+
+RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
+                "return_num_input_tokens", "return_num_output_tokens")
+BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
+TEXT_INPUTS = ("text_input", "sampling_parameters", *BOOL_INPUTS)
+
+# vllm_backend's string-to-number conversions (its _get_sampling_params_dict), so its clients work.
+_INT_KEYS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "best_of")
+_FLOAT_KEYS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_BOOL_KEYS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+RESERVED_PARAMETER_PREFIX = "triton_"
+"""Request parameters Triton's own frontends set (e.g. triton_enable_empty_final_response)."""
+
+
+def scalar(array: np.ndarray | None, name: str) -> Any:
+    """The single element of a [1]-shaped input (None when the input is absent)."""
+    if array is None:
+        return None
+    flat = np.asarray(array).reshape(-1)
+    if flat.size != 1:
+        raise InvalidRequest(f"{name}: expected one element, got shape {list(np.shape(array))}")
+    return flat[0].item() if isinstance(flat[0], np.generic) else flat[0]
+
+
+def decode_utf8(value: Any, name: str) -> str:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, (bytes, bytearray)):
+        raise InvalidRequest(f"{name}: expected a string, got {type(value).__name__}")
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"{name} is not valid UTF-8 (byte 0x{value[exc.start]:02x} at position {exc.start}); "
+                             "send the text encoded as UTF-8") from None
+
+
+def parse_bool(value: Any, name: str) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise InvalidRequest(f"{name}: expected true or false, got {value!r}")
+
+
+def _coerce_strings(params: dict[str, Any]) -> dict[str, Any]:
+    """vllm_backend clients send `{"max_tokens": "100"}`; convert such strings, name the key on failure."""
+    out = dict(params)
+    for key, value in params.items():
+        if not isinstance(value, str):
+            continue
+        try:
+            if key in _INT_KEYS:
+                out[key] = int(value)
+            elif key in _FLOAT_KEYS:
+                out[key] = float(value)
+            elif key in _BOOL_KEYS:
+                out[key] = parse_bool(value, key)
+        except ValueError:
+            raise InvalidRequest(f"sampling parameter {key}={value!r} is not a number") from None
+    if out.get("best_of") not in (None, out.get("n", 1)):
+        raise InvalidRequest(f"best_of={out['best_of']!r} is not supported; omit it or set it equal to n")
+    out.pop("best_of", None)
+    return out
+
+
+def sampling_params_from(raw: Mapping[str, Any], extra: Mapping[str, Any] | None = None) -> SamplingParams:
+    """Strict SamplingParams from the client's dict; `extra` adds keys the adapter needs."""
+    return SamplingParams.from_dict({**_coerce_strings(dict(raw)), **(extra or {})})
+
+
+def parse_json_object(text: str, name: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"{name} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
+                             'send a JSON object such as {"max_tokens": 32, "temperature": 0}') from None
+    if not isinstance(data, dict):
+        raise InvalidRequest(f"{name} must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def split_request_parameters(parameters_json: str | None, inputs: Sequence[str]) -> tuple[dict, dict]:
+    """Request `parameters` -> (values for named inputs, sampling keys); Triton's own keys dropped."""
+    params = parse_json_object(parameters_json, "request parameters") if parameters_json else {}
+    as_inputs = {k: v for k, v in params.items() if k in inputs}
+    sampling = {k: v for k, v in params.items()
+                if k not in inputs and not k.startswith(RESERVED_PARAMETER_PREFIX)}
+    return as_inputs, sampling
+
+
+@dataclass(frozen=True)
+class TextRequest:
+    prompt: str
+    params: SamplingParams
+    stream: bool = False
+    exclude_input_in_output: bool = False
+    returns: frozenset[str] = frozenset()
+    """The return_* flags set to true."""
+    client_logprobs: bool = False
+    """Whether the client asked for logprobs (the adapter may ask the engine for them anyway, to
+    report cumulative_logprob)."""
+
+
+def parse_text_request(tensors: Mapping[str, np.ndarray | None], parameters_json: str | None) -> TextRequest:
+    """Validate one request of the text contract; raises InvalidRequest naming the problem."""
+    raw_prompt = scalar(tensors.get("text_input"), "text_input")
+    if raw_prompt is None:
+        raise InvalidRequest("text_input is missing: send the prompt as the BYTES input 'text_input' "
+                             '(in a /generate body: {"text_input": "..."})')
+    prompt = decode_utf8(raw_prompt, "text_input")
+    from_params, sampling = split_request_parameters(parameters_json, TEXT_INPUTS)
+    flags = {}
+    for name in BOOL_INPUTS:
+        value = scalar(tensors.get(name), name)
+        if value is None:
+            value = from_params.get(name)
+        flags[name] = False if value is None else parse_bool(value, name)
+    sp_tensor = scalar(tensors.get("sampling_parameters"), "sampling_parameters")
+    if sp_tensor is not None:
+        sampling = parse_json_object(decode_utf8(sp_tensor, "sampling_parameters"), "sampling_parameters")
+    returns = frozenset(f for f in RETURN_FLAGS if flags[f])
+    params = sampling_params_from(sampling)
+    client_logprobs = params.logprobs is not None
+    if "return_cumulative_logprob" in returns and not client_logprobs:
+        # The engine scores tokens only when asked; 0 adds just the sampled token's logprob.
+        params = dataclasses.replace(params, logprobs=0)
+    return TextRequest(prompt, params, flags["stream"], flags["exclude_input_in_output"], returns, client_logprobs)
+
+
+def logprobs_json(entries: Sequence[TokenLogprobs], decode) -> list[dict[str, dict[str, Any]]]:
+    """vllm_backend's shape: per position {token_id: {logprob, rank, decoded_token}}, sampled first."""
+    out = []
+    for e in entries:
+        pos = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": decode(e.token_id)}}
+        for rank, (tid, lp) in enumerate(e.top, start=1):
+            pos.setdefault(str(tid), {"logprob": lp, "rank": rank, "decoded_token": decode(tid)})
+        out.append(pos)
+    return out
+
+
+@dataclass
+class _Sequence:
+    text: list[str] = dataclasses.field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    cumulative_logprob: float | None = None
+
+
+class TextResponseBuilder:
+    """Turns one request's RequestOutput deltas into output dicts (name -> numpy array).
+
+    Streaming: `add()` returns the outputs of one response per delta. Non-streaming: `add()` only
+    accumulates and `final()` returns the one response.
+    """
+
+    def __init__(self, request: TextRequest, decode_token) -> None:
+        self.request = request
+        self.decode_token = decode_token
+        self.seqs = [_Sequence() for _ in range(request.params.n)]
+        self.num_input_tokens = 0
+
+    def add(self, out: RequestOutput) -> dict[str, np.ndarray] | None:
+        seq = self.seqs[out.index]
+        self.num_input_tokens = out.num_prompt_tokens
+        seq.text.append(out.text)
+        seq.num_tokens += len(out.new_token_ids)
+        seq.logprobs.extend(out.logprobs or ())
+        seq.cumulative_logprob = out.cumulative_logprob
+        seq.finish_reason = out.finish_reason
+        if not self.request.stream:
+            return None
+        n = len(self.seqs)
+        delta = _Sequence([out.text], len(out.new_token_ids), list(out.logprobs or ()), out.finish_reason,
+                          out.cumulative_logprob)
+        # With n > 1 a delta belongs to one sequence; the others get empty entries in this response.
+        views = [delta if i == out.index else _Sequence(finish_reason=self.seqs[i].finish_reason,
+                                                        cumulative_logprob=self.seqs[i].cumulative_logprob)
+                 for i in range(n)]
+        return self._outputs(views, prefix="")
+
+    def final(self) -> dict[str, np.ndarray]:
+        prefix = "" if self.request.exclude_input_in_output else self.request.prompt
+        return self._outputs(self.seqs, prefix)
+
+    def _outputs(self, seqs: Sequence[_Sequence], prefix: str) -> dict[str, np.ndarray]:
+        returns = self.request.returns
+        outputs = {"text_output": np.array([(prefix + "".join(s.text)).encode("utf-8") for s in seqs],
+                                           dtype=np.object_)}
+        if "return_finish_reason" in returns:
+            outputs["finish_reason"] = np.array([(s.finish_reason or "").encode() for s in seqs], dtype=np.object_)
+        if "return_cumulative_logprob" in returns:
+            outputs["cumulative_logprob"] = np.array(
+                [s.cumulative_logprob if s.cumulative_logprob is not None else 0.0 for s in seqs], dtype=np.float32)
+        if "return_logprobs" in returns:
+            outputs["logprobs"] = np.array(
+                [json.dumps(logprobs_json(s.logprobs, self.decode_token) if self.request.client_logprobs
+                            else None).encode() for s in seqs], dtype=np.object_)
+        if "return_num_input_tokens" in returns:
+            outputs["num_input_tokens"] = np.array([self.num_input_tokens], dtype=np.uint32)
+        if "return_num_output_tokens" in returns:
+            outputs["num_output_tokens"] = np.array([s.num_tokens for s in seqs], dtype=np.uint32)
+        return outputs

@@ -1,0 +1,236 @@
+"""`pagedserve triton`: run the real tritonserver from the nvidia-pytriton wheel on our repository.
+
+    pagedserve triton [--model-repository DIR] [--model PATH|default] [--host 127.0.0.1]
+                      [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
+                      [--timeout 600] [-- extra tritonserver flags]
+
+The wheel carries a complete Triton 2.51 server with the Python backend and its stubs; no GPU or
+CUDA driver is needed. What it takes (CONTRACTS.md section 1):
+
+* a backend directory `<dir>/python/` of SYMLINKS to the wheel's libtriton_python.so,
+  triton_python_backend_utils.py and the stub for this Python (a copied stub hangs the load);
+* this virtualenv's `bin` first on PATH (the stub runs `python3` from there, which imports
+  pagedserve) and the base interpreter's LIBDIR on LD_LIBRARY_PATH (the stub links libpython);
+* a per-run shared-memory prefix, so a crashed stub's /dev/shm regions are found and removed.
+
+Tests and the benchmark start servers through `start_server()`, the same code as this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pagedserve.adapters.triton_server.engine_config import MODEL_OVERRIDE_ENV
+
+DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+"""model_repository/ of a source checkout (the editable install the README sets up)."""
+
+
+def wheel_dir() -> Path:
+    try:
+        import pytriton
+    except ImportError:
+        raise SystemExit("pagedserve triton needs the wheel nvidia-pytriton: pip install -e '.[triton]'") from None
+    return Path(pytriton.__file__).resolve().parent / "tritonserver"
+
+
+def make_backend_dir(root: Path) -> Path:
+    """`root/python/` holding symlinks to the wheel's Python backend; returns root."""
+    tritonserver = wheel_dir()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = tritonserver / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise SystemExit(f"the nvidia-pytriton wheel has no Python backend stub for Python {version}")
+    python = root / "python"
+    python.mkdir(parents=True, exist_ok=True)
+    for target in (tritonserver / "backends/python/libtriton_python.so",
+                   tritonserver / "backends/python/triton_python_backend_utils.py", stub):
+        link = python / target.name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(target)
+    return root
+
+
+def server_env(base: dict[str, str] | None = None, model_override: str | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    env["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
+    if model_override:
+        env[MODEL_OVERRIDE_ENV] = model_override
+    return env
+
+
+@dataclass
+class TritonServer:
+    """A running tritonserver; `stop()` ends it and removes its /dev/shm regions."""
+
+    process: subprocess.Popen
+    host: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    shm_prefix: str
+    backend_dir: tempfile.TemporaryDirectory
+    log_path: Path | None = None
+    models: list[str] = field(default_factory=list)
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    def _get(self, path: str) -> int:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=2) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError:
+            return 0
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until every model in self.models is ready; raises if the server exits or time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.process.returncode} during startup"
+                                   + self._log_hint())
+            paths = [f"/v2/models/{m}/ready" for m in self.models] or ["/v2/health/ready"]
+            if all(self._get(p) == 200 for p in paths):
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s" + self._log_hint())
+
+    def _log_hint(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        tail = self.log_path.read_text(errors="replace").splitlines()[-30:]
+        return f"; last log lines ({self.log_path}):\n" + "\n".join(tail)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        for region in glob.glob(f"/dev/shm/{self.shm_prefix}*"):
+            try:
+                os.unlink(region)
+            except OSError:
+                pass
+        self.backend_dir.cleanup()
+
+
+def start_server(model_repository: str | Path = DEFAULT_REPOSITORY, *, host: str = "127.0.0.1",
+                 http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+                 models: list[str] | None = None, model_override: str | None = None,
+                 extra_args: list[str] | None = None, env: dict[str, str] | None = None,
+                 log_path: str | Path | None = None, wait: bool = True, timeout: float = 600.0) -> TritonServer:
+    """Start tritonserver on `model_repository`; with `models`, load only those (explicit mode)."""
+    repository = Path(model_repository).resolve()
+    if not repository.is_dir():
+        raise SystemExit(f"model repository {repository} does not exist; pass --model-repository")
+    backend_dir = tempfile.TemporaryDirectory(prefix="pagedserve-triton-backends-")
+    make_backend_dir(Path(backend_dir.name))
+    shm_prefix = f"pagedserve_{uuid.uuid4().hex[:8]}_"
+    cmd = [str(wheel_dir() / "bin" / "tritonserver"), f"--model-repository={repository}",
+           f"--backend-directory={backend_dir.name}",
+           f"--http-address={host}", f"--grpc-address={host}", f"--metrics-address={host}",
+           f"--http-port={http_port}", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}",
+           "--disable-auto-complete-config", "--pinned-memory-pool-byte-size=0", "--allow-gpu-metrics=false",
+           "--exit-timeout-secs=5", "--backend-config=python,shm-default-byte-size=4194304",
+           f"--backend-config=python,shm-region-prefix-name={shm_prefix}"]
+    if models:
+        cmd += ["--model-control-mode=explicit", *(f"--load-model={m}" for m in models)]
+    cmd += list(extra_args or [])
+    out = open(log_path, "wb") if log_path else None  # noqa: SIM115 - owned by the child from here on
+    process = subprocess.Popen(cmd, env=server_env(env, model_override), stdout=out,
+                               stderr=subprocess.STDOUT if out else None)
+    if out:
+        out.close()
+    server = TritonServer(process, host, http_port, grpc_port, metrics_port, shm_prefix, backend_dir,
+                          Path(log_path) if log_path else None, list(models or []))
+    if wait:
+        try:
+            server.wait_ready(timeout)
+        except BaseException:
+            server.stop()
+            raise
+    return server
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedserve triton", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.add_argument("--model", default=None, help='override "model" in every engine.json (local HF directory '
+                                                 'or "default", the embedded SmolLM2-135M-Instruct)')
+    p.add_argument("--host", default="127.0.0.1", help="address for HTTP, gRPC and metrics (0.0.0.0 for all)")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--load-model", action="append", default=None,
+                   help="load only this model (repeatable); default: every model in the repository")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the models to be ready")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: flags passed to tritonserver as-is")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    server = start_server(args.model_repository, host=args.host, http_port=args.http_port,
+                          grpc_port=args.grpc_port, metrics_port=args.metrics_port, models=args.load_model,
+                          model_override=args.model, extra_args=extra, wait=False)
+    forwarded = []
+    # SIGINT/SIGTERM go to tritonserver, which unloads the models (each finishes its requests).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: (forwarded.append(signum), server.process.send_signal(signum)))
+    try:
+        server.wait_ready(args.timeout)
+        host = args.host if args.host != "0.0.0.0" else "127.0.0.1"
+        print(f"""
+pagedserve is serving on tritonserver (Ctrl-C stops it):
+  HTTP {args.host}:{args.http_port}   gRPC {args.host}:{args.grpc_port}   metrics http://{host}:{args.metrics_port}/metrics
+
+  curl -s http://{host}:{args.http_port}/v2/models/pagedserve/generate \\
+       -d '{{"text_input": "What is a paged KV cache?", "parameters": {{"max_tokens": 64, "temperature": 0}}}}'
+  curl -sN http://{host}:{args.http_port}/v2/models/pagedserve/generate_stream \\
+       -d '{{"text_input": "What is a paged KV cache?", "stream": true, "parameters": {{"max_tokens": 64}}}}'
+  gRPC streaming with tritonclient.grpc: see docs/triton.md
+""", flush=True)
+    except (RuntimeError, TimeoutError) as exc:
+        if not forwarded:
+            print(f"pagedserve triton: {exc}", file=sys.stderr)
+        server.stop()
+        return 1
+    code = server.process.wait()
+    server.stop()
+    return 0 if forwarded else code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

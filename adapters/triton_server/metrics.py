@@ -1,0 +1,132 @@
+"""Engine metrics on Triton's metrics port through pb_utils.MetricFamily.
+
+The families and names come from adapters/engine_metrics.py (shared with KServe). A small thread
+refreshes them from the engine's lock-free MetricsSnapshot every `interval` seconds, and at once
+when `poke()` is called (after each finished request):
+
+* gauges are set to the snapshot's value;
+* counters are incremented by the change since the last refresh (MetricFamily counters only go up);
+* histograms: the Python backend of Triton 2.51 has MetricFamily.HISTOGRAM, but a Metric only
+  takes single observations (`observe(value)`), while the engine keeps the histogram itself (bucket
+  counts and sum, core/metrics.py). Each refresh therefore replays the change as observations:
+  exactly as many per bucket as the engine counted there, with values inside that bucket chosen so
+  that their sum equals the engine's sum. The exported `_bucket`, `_count` and `_sum` series are
+  then the engine's own, with the same bucket bounds. Cost: one backend call per observation.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable
+
+from pagedserve.adapters.engine_metrics import ENGINE_METRICS, REQUEST_SUCCESS, MetricKind
+from pagedserve.core.metrics import Histogram, MetricsSnapshot
+
+logger = logging.getLogger(__name__)
+
+
+def replay_observations(prev: Histogram | None, cur: Histogram) -> list[float]:
+    """Values whose observation turns `prev` into `cur`: the right count in every bucket, the
+    right total sum (up to float rounding)."""
+    prev_counts = prev.counts if prev is not None else [0] * len(cur.counts)
+    deltas = [c - p for c, p in zip(cur.counts, prev_counts)]
+    target = cur.sum - (prev.sum if prev is not None else 0.0)
+    # A value equal to a bound belongs to the bucket below it (Prometheus `le`), so each bucket's
+    # smallest value is just above the previous bound.
+    lows = [0.0, *(math.nextafter(b, math.inf) for b in cur.buckets)]
+    highs = [*cur.buckets, math.inf]
+    spans = [(lows[i], highs[i], d) for i, d in enumerate(deltas) if d > 0]
+    if not spans:
+        return []
+    # Start every value at its bucket's lower end, then raise them toward the upper ends by one
+    # common fraction (or let the +Inf bucket take the rest) until the sum matches.
+    low_sum = sum(lo * d for lo, _hi, d in spans)
+    finite = [(lo, hi, d) for lo, hi, d in spans if hi != math.inf]
+    room = sum((hi - lo) * d for lo, hi, d in finite)
+    over = next(((lo, d) for lo, hi, d in spans if hi == math.inf), None)
+    extra = max(target - low_sum, 0.0)
+    frac = 1.0 if room <= 0 else min(extra / room, 1.0) if over is None else 0.0
+    values = []
+    for lo, hi, d in finite:
+        values += [lo + frac * (hi - lo)] * d
+    if over is not None:
+        lo, d = over
+        values += [lo + extra / d] * d
+    return values
+
+
+class TritonEngineMetrics:
+    def __init__(self, pb_utils, read_snapshot: Callable[[], MetricsSnapshot], labels: dict[str, str],
+                 interval: float = 0.2) -> None:
+        self.pb_utils = pb_utils
+        self.read_snapshot = read_snapshot
+        self.labels = labels
+        self.interval = interval
+        MF = pb_utils.MetricFamily
+        kinds = {MetricKind.GAUGE: MF.GAUGE, MetricKind.COUNTER: MF.COUNTER, MetricKind.HISTOGRAM: MF.HISTOGRAM}
+        # Keep a reference to every family and metric: Triton drops a family whose Python object dies.
+        self.families = {}
+        self.metrics = {}
+        for m in ENGINE_METRICS:
+            family = MF(name=m.name, description=m.description, kind=kinds[m.kind])
+            self.families[m.name] = family
+            if m.kind is MetricKind.HISTOGRAM:
+                buckets = list(m.read(read_snapshot()).buckets)
+                self.metrics[m.name] = family.Metric(labels=labels, buckets=buckets)
+            else:
+                self.metrics[m.name] = family.Metric(labels=labels)
+        self.families[REQUEST_SUCCESS.name] = MF(name=REQUEST_SUCCESS.name, description=REQUEST_SUCCESS.description,
+                                                 kind=MF.COUNTER)
+        self.success_by_reason: dict[str, object] = {}
+        self.last: MetricsSnapshot | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="pagedserve-metrics", daemon=True)
+        self._thread.start()
+
+    def poke(self) -> None:
+        """Refresh soon (a request just finished)."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+        self.refresh()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            try:
+                self.refresh()
+            except Exception:  # noqa: BLE001 - a metrics hiccup must not end the refresher
+                logger.exception("pagedserve: refreshing Triton metrics failed")
+
+    def refresh(self) -> None:
+        with self._lock:
+            snap, last = self.read_snapshot(), self.last
+            for m in ENGINE_METRICS:
+                metric, value = self.metrics[m.name], m.read(snap)
+                if m.kind is MetricKind.GAUGE:
+                    metric.set(float(value))
+                elif m.kind is MetricKind.COUNTER:
+                    delta = value - (m.read(last) if last is not None else 0)
+                    if delta > 0:
+                        metric.increment(float(delta))
+                else:
+                    for v in replay_observations(m.read(last) if last is not None else None, value):
+                        metric.observe(v)
+            before = last.request_success_total if last is not None else {}
+            for reason, count in snap.request_success_total.items():
+                delta = count - before.get(reason, 0)
+                if delta > 0:
+                    if reason not in self.success_by_reason:
+                        family = self.families[REQUEST_SUCCESS.name]
+                        self.success_by_reason[reason] = family.Metric(
+                            labels={**self.labels, "finished_reason": reason})
+                    self.success_by_reason[reason].increment(float(delta))
+            self.last = snap

@@ -1,0 +1,121 @@
+"""Triton tensors <-> engine, for the token-level contract of TensorRT-LLM's `tensorrt_llm` model
+(model_repository/pagedserve_tokens): token ids in, token ids out, no tokenizer on the wire.
+
+    input_ids INT32 [-1], request_output_len INT32 [1]
+    optional: end_id, pad_id, runtime_top_k INT32 [1]; temperature, runtime_top_p FP32 [1];
+              random_seed UINT64 [1]; streaming, stop, exclude_input_in_output BOOL [1]
+    -> output_ids INT32 [-1, -1] (beam x tokens, beam width 1), sequence_length INT32 [-1]
+
+Semantics follow TensorRT-LLM where it has them: decoding is greedy unless runtime_top_k > 1 or
+runtime_top_p > 0 asks for sampling; `end_id` replaces the model's EOS as the token that ends a
+sequence (it is not part of the output); non-streaming output_ids hold prompt + generated tokens
+unless exclude_input_in_output, and sequence_length counts what output_ids holds; streaming
+responses carry only the new tokens. `stop` = true ends the request before it generates anything.
+`pad_id` only pads beams of unequal length in TensorRT-LLM; with one beam it changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedserve.core.errors import InvalidRequest
+from pagedserve.core.outputs import RequestOutput
+from pagedserve.core.sampling_params import SamplingParams
+from pagedserve.adapters.triton_server.codec import parse_bool, scalar
+
+TOKEN_INPUTS = ("input_ids", "request_output_len", "end_id", "pad_id", "temperature", "runtime_top_k",
+                "runtime_top_p", "random_seed", "streaming", "stop", "exclude_input_in_output")
+
+
+@dataclass(frozen=True)
+class TokenRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool = False
+    stop_now: bool = False
+    exclude_input_in_output: bool = False
+
+
+def _int(tensors: Mapping[str, np.ndarray | None], name: str) -> int | None:
+    value = scalar(tensors.get(name), name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"{name}: expected an integer, got {value!r}")
+    return value
+
+
+def _float(tensors: Mapping[str, np.ndarray | None], name: str) -> float | None:
+    value = scalar(tensors.get(name), name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequest(f"{name}: expected a number, got {value!r}")
+    return float(value)
+
+
+def _flag(tensors: Mapping[str, np.ndarray | None], name: str) -> bool:
+    value = scalar(tensors.get(name), name)
+    return False if value is None else parse_bool(value, name)
+
+
+def parse_token_request(tensors: Mapping[str, np.ndarray | None]) -> TokenRequest:
+    ids = tensors.get("input_ids")
+    if ids is None or np.asarray(ids).size == 0:
+        raise InvalidRequest("input_ids is missing or empty: send the prompt's token ids as INT32 input 'input_ids'")
+    prompt_ids = [int(t) for t in np.asarray(ids).reshape(-1)]  # range-checked by the engine
+    max_tokens = _int(tensors, "request_output_len")
+    if max_tokens is None:
+        raise InvalidRequest("request_output_len is missing: send the number of tokens to generate (INT32 [1])")
+    top_k = _int(tensors, "runtime_top_k") or 0
+    top_p = _float(tensors, "runtime_top_p") or 0.0
+    temperature = _float(tensors, "temperature")
+    sampling = top_k > 1 or top_p > 0.0
+    fields: dict = {"max_tokens": max_tokens, "top_k": top_k if sampling else 0,
+                    "top_p": top_p if top_p > 0.0 else 1.0,
+                    "temperature": (1.0 if temperature is None else temperature) if sampling else 0.0}
+    end_id = _int(tensors, "end_id")
+    if end_id is not None:  # end_id is THE end token: the model's own EOS no longer ends a sequence
+        fields.update(stop_token_ids=[end_id], ignore_eos=True)
+    seed = _int(tensors, "random_seed")
+    if seed is not None:
+        fields["seed"] = seed
+    _int(tensors, "pad_id")  # type-checked only: one beam never needs padding
+    return TokenRequest(prompt_ids, SamplingParams.from_dict(fields), _flag(tensors, "streaming"),
+                        _flag(tensors, "stop"), _flag(tensors, "exclude_input_in_output"))
+
+
+class TokenResponseBuilder:
+    """RequestOutput deltas -> output_ids / sequence_length (streaming: one response per delta)."""
+
+    def __init__(self, request: TokenRequest) -> None:
+        self.request = request
+        self.generated: list[int] = []
+
+    def _ids(self, request_output_ids: list[int], out: RequestOutput | None) -> list[int]:
+        end = self.request.params.stop_token_ids
+        # The end token closes the sequence; TensorRT-LLM leaves it out of output_ids.
+        if out is not None and out.finished and end and request_output_ids and request_output_ids[-1] in end \
+                and out.stop_reason in end:
+            return request_output_ids[:-1]
+        return request_output_ids
+
+    def add(self, out: RequestOutput) -> dict[str, np.ndarray] | None:
+        self.generated.extend(out.new_token_ids)
+        self.last = out
+        if not self.request.stream:
+            return None
+        return self._outputs(self._ids(list(out.new_token_ids), out))
+
+    def final(self) -> dict[str, np.ndarray]:
+        ids = self._ids(self.generated, getattr(self, "last", None))
+        prefix = [] if self.request.exclude_input_in_output else self.request.prompt_ids
+        return self._outputs(prefix + ids)
+
+    @staticmethod
+    def _outputs(ids: list[int]) -> dict[str, np.ndarray]:
+        return {"output_ids": np.array([ids], dtype=np.int32).reshape(1, len(ids)),
+                "sequence_length": np.array([len(ids)], dtype=np.int32)}

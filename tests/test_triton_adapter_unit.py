@@ -1,0 +1,294 @@
+"""Fast checks of the Triton adapter without a server: the codecs, the histogram replay, and
+TritonPythonModel driven through a fake `triton_python_backend_utils` (removed again afterwards,
+so other tests never see it). The real-server tests (test_triton_server.py) are the main proof."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import threading
+import types
+
+import numpy as np
+import pytest
+
+from pagedserve.adapters.triton_server.codec import TextRequest, TextResponseBuilder, parse_text_request
+from pagedserve.adapters.triton_server.metrics import replay_observations
+from pagedserve.adapters.triton_server.token_codec import parse_token_request
+from pagedserve.core.errors import InvalidRequest
+from pagedserve.core.metrics import TTFT_BUCKETS, Histogram
+from pagedserve.core.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def t(value, dtype=None):
+    return np.array([value], dtype=dtype)
+
+
+# -- codecs ----------------------------------------------------------------------------------------
+def test_text_request_from_vllm_backend_style_strings_and_parameters():
+    req = parse_text_request({"text_input": t(b"hi", object), "sampling_parameters": t(json.dumps(
+        {"temperature": "0.5", "max_tokens": "7", "ignore_eos": "true", "stop": ["x"]}).encode(), object)}, None)
+    assert req.prompt == "hi" and req.params == SamplingParams(temperature=0.5, max_tokens=7, ignore_eos=True,
+                                                               stop=("x",))
+    # No sampling_parameters tensor: request parameters are used; input names there act as inputs and
+    # Triton's own triton_* keys are not sampling keys.
+    params = json.dumps({"max_tokens": 3, "stream": True, "return_finish_reason": True,
+                         "triton_enable_empty_final_response": True})
+    req = parse_text_request({"text_input": t(b"hi", object)}, params)
+    assert req.stream and req.returns == {"return_finish_reason"} and req.params.max_tokens == 3
+
+
+@pytest.mark.parametrize("tensors, params, message", [
+    ({}, None, "text_input is missing"),
+    ({"text_input": t(b"\xffa", object)}, None, "not valid UTF-8 (byte 0xff at position 0)"),
+    ({"text_input": t(b"a", object), "sampling_parameters": t(b"[1]", object)}, None, "must be a JSON object"),
+    ({"text_input": t(b"a", object), "sampling_parameters": t(b"{", object)}, None, "not valid JSON"),
+    ({"text_input": t(b"a", object)}, '{"max_tokens": "many"}', "max_tokens='many' is not a number"),
+    ({"text_input": t(b"a", object)}, '{"top_k": 3, "topp": 1}', "topp"),
+    ({"text_input": t(b"a", object)}, '{"best_of": 3}', "best_of=3 is not supported"),
+    ({"text_input": t(b"a", object), "stream": t("yes", object)}, None, "stream: expected true or false"),
+])
+def test_text_request_errors_name_the_problem(tensors, params, message):
+    with pytest.raises(InvalidRequest, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        parse_text_request(tensors, params)
+
+
+def test_cumulative_logprob_without_logprobs_asks_engine_for_sampled_token_only():
+    req = parse_text_request({"text_input": t(b"a", object), "return_cumulative_logprob": t(True)}, None)
+    assert req.params.logprobs == 0 and not req.client_logprobs
+
+
+def test_token_request_is_greedy_unless_sampling_is_asked():
+    ids = np.array([5, 6, 7], dtype=np.int32)
+    req = parse_token_request({"input_ids": ids, "request_output_len": t(4, np.int32)})
+    assert req.prompt_ids == [5, 6, 7] and req.params.greedy and req.params.max_tokens == 4
+    req = parse_token_request({"input_ids": ids, "request_output_len": t(4, np.int32),
+                               "runtime_top_k": t(5, np.int32), "temperature": t(0.7, np.float32),
+                               "end_id": t(9, np.int32), "random_seed": t(3, np.uint64)})
+    assert req.params.top_k == 5 and req.params.temperature == pytest.approx(0.7) and req.params.seed == 3
+    assert req.params.stop_token_ids == (9,) and req.params.ignore_eos
+    with pytest.raises(InvalidRequest, match="request_output_len is missing"):
+        parse_token_request({"input_ids": ids})
+
+
+def test_streaming_n2_response_has_one_element_per_sequence():
+    from pagedserve.core.outputs import RequestOutput
+
+    req = TextRequest("p", SamplingParams(n=2), stream=True, returns=frozenset({"return_num_output_tokens"}))
+    b = TextResponseBuilder(req, str)
+    out = RequestOutput("r", 1, (4,), "x", False, None, None, 1, 1, (1,))
+    got = b.add(out)
+    assert got["text_output"].tolist() == [b"", b"x"] and got["num_output_tokens"].tolist() == [0, 1]
+
+
+# -- histogram replay ------------------------------------------------------------------------------
+def test_replay_reproduces_bucket_counts_and_sum():
+    rng = random.Random(0)
+    prev = Histogram(TTFT_BUCKETS)
+    for _ in range(50):
+        prev.observe(rng.expovariate(5))
+    cur = prev.copy()
+    for v in [rng.expovariate(2) for _ in range(200)] + [0.005, 3000.0]:  # a bound, and +Inf
+        cur.observe(v)
+    replayed = Histogram(TTFT_BUCKETS)
+    values = replay_observations(prev, cur)
+    for v in values:
+        replayed.observe(v)
+    assert [c - p for c, p in zip(cur.counts, prev.counts)] == replayed.counts
+    assert sum(values) == pytest.approx(cur.sum - prev.sum, rel=1e-9)
+    assert replay_observations(cur, cur) == []
+
+
+# -- TritonPythonModel with a fake pb_utils -------------------------------------------------------
+class FakeTensor:
+    def __init__(self, name, array):
+        self.name, self.array = name, array
+
+    def as_numpy(self):
+        return self.array
+
+
+class FakeError:
+    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
+
+    def __init__(self, msg, code=1):
+        self.msg, self.code = msg, code
+
+    def message(self):
+        return self.msg
+
+
+class FakeResponse:
+    def __init__(self, output_tensors=(), error=None):
+        self.outputs = {x.name: x.array for x in output_tensors}
+        self.error = error
+
+
+class FakeMetric:
+    def __init__(self, labels, buckets=None):
+        self.labels, self.buckets, self.value, self.observed = labels, buckets, 0.0, []
+
+    def set(self, v):
+        self.value = v
+
+    def increment(self, v):
+        self.value += v
+
+    def observe(self, v):
+        self.observed.append(v)
+
+
+class FakeFamily:
+    GAUGE, COUNTER, HISTOGRAM = range(3)
+    created: dict = {}
+
+    def __init__(self, name, description, kind):
+        self.name, self.kind, self.metrics = name, kind, []
+        FakeFamily.created[name] = self
+
+    def Metric(self, labels, buckets=None):  # noqa: N802 - pb_utils' spelling
+        self.metrics.append(FakeMetric(labels, buckets))
+        return self.metrics[-1]
+
+
+class FakeSender:
+    def __init__(self, cancel_after=None):
+        self.sent, self.cancel_after, self.done = [], cancel_after, threading.Event()
+
+    def send(self, response, flags=0):
+        self.sent.append((response, flags))
+        if flags == 1:
+            self.done.set()
+
+    def is_cancelled(self):
+        return self.cancel_after is not None and len(self.sent) >= self.cancel_after
+
+
+class FakeRequest:
+    def __init__(self, inputs, parameters="{}", sender=None):
+        self.inputs, self._parameters, self.sender = inputs, parameters, sender or FakeSender()
+
+    def get_response_sender(self):
+        return self.sender
+
+    def request_id(self):
+        return ""
+
+    def parameters(self):
+        return self._parameters
+
+
+def fake_pb_utils():
+    m = types.ModuleType("triton_python_backend_utils")
+    m.Tensor, m.InferenceResponse, m.TritonError, m.MetricFamily = FakeTensor, FakeResponse, FakeError, FakeFamily
+    m.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    m.get_input_tensor_by_name = lambda req, name: (FakeTensor(name, req.inputs[name]) if name in req.inputs
+                                                    else None)
+    m.using_decoupled_model_transaction_policy = lambda cfg: cfg["model_transaction_policy"]["decoupled"]
+    return m
+
+
+@pytest.fixture
+def model(monkeypatch, tmp_path, tiny_model_dir):
+    name = "pagedserve.adapters.triton_server.model"
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb_utils())
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    import importlib
+    import pagedserve.adapters.triton_server as package
+    module = importlib.import_module(name)
+    monkeypatch.setattr(module, "CANCEL_POLL_S", 0.0)  # poll on every delta: deterministic cancellation
+    (tmp_path / "1").mkdir()
+    settings = {"model": str(tiny_model_dir("llama")), "dtype": "float32", "num_kv_blocks": 64, "max_model_len": 128}
+    (tmp_path / "1" / "engine.json").write_text(json.dumps(settings))
+    instance = module.TritonPythonModel()
+    config = {"model_transaction_policy": {"decoupled": True}, "parameters": {"contract": {"string_value": "text"}}}
+    instance.initialize({"model_config": json.dumps(config), "model_repository": str(tmp_path),
+                         "model_version": "1", "model_name": "pagedserve"})
+    try:
+        yield instance
+    finally:
+        instance.finalize()
+        sys.modules.pop(name, None)  # the module holds the fake: never leave it importable
+        if hasattr(package, "model"):
+            delattr(package, "model")
+
+
+def run(model, requests, timeout=30):
+    assert model.execute(requests) is None  # execute hands off and returns at once
+    for r in requests:
+        assert r.sender.done.wait(timeout)
+    return [r.sender.sent for r in requests]
+
+
+def test_model_streams_with_one_final_and_errors_and_cancels(model):
+    sp = lambda **kw: np.array([json.dumps({"temperature": 0, "ignore_eos": True, **kw}).encode()], dtype=object)
+    ok = FakeRequest({"text_input": t(b"abc", object), "stream": t(True), "sampling_parameters": sp(max_tokens=5)})
+    bad = FakeRequest({"text_input": t(b"abc", object), "sampling_parameters": sp(max_tokens=0)})
+    too_long = FakeRequest({"text_input": t(b"abc " * 200, object)})
+    cancelled = FakeRequest({"text_input": t(b"abc", object), "stream": t(True),
+                             "sampling_parameters": sp(max_tokens=100)}, sender=FakeSender(cancel_after=2))
+    sent_ok, sent_bad, sent_long, sent_cancel = run(model, [ok, bad, too_long, cancelled])
+    assert [f for _, f in sent_ok] == [0, 0, 0, 0, 1] and all(r.error is None for r, _ in sent_ok)
+    from pagedserve.core.engine import LLMEngine
+    oracle = LLMEngine(model.engine.engine.config)  # never touch the served engine from this thread
+    expected = oracle.generate(["abc"], SamplingParams(temperature=0, ignore_eos=True, max_tokens=5))
+    assert "".join(r.outputs["text_output"][0].decode() for r, _ in sent_ok) == expected[0].text
+    for sent, code, text in ((sent_bad, FakeError.INVALID_ARG, "max_tokens"),
+                             (sent_long, FakeError.INVALID_ARG, "max_model_len")):
+        assert len(sent) == 1 and sent[0][1] == 1 and sent[0][0].error.code == code and text in sent[0][0].error.msg
+    assert [f for _, f in sent_cancel] == [0, 0, 1] and sent_cancel[-1][0].error.code == FakeError.CANCELLED
+    model.metrics.refresh()
+    assert model.engine.metrics.kv_cache_usage_perc == 0.0
+    success = FakeFamily.created["pagedserve:request_success_total"].metrics
+    assert {m.labels["finished_reason"]: m.value for m in success} == {"length": 1, "abort": 1}
+
+
+# -- launcher ------------------------------------------------------------------------------------
+def test_backend_dir_holds_symlinks_and_env_finds_this_python(tmp_path):
+    import sysconfig
+    from pathlib import Path
+
+    from pagedserve.adapters.triton_server.launcher import make_backend_dir, server_env, wheel_dir
+
+    make_backend_dir(tmp_path)
+    links = sorted((tmp_path / "python").iterdir())
+    assert [p.name for p in links] == ["libtriton_python.so", "triton_python_backend_stub",
+                                       "triton_python_backend_utils.py"]
+    for link in links:  # symlinks, not copies: a copied stub hangs the model load
+        assert link.is_symlink() and link.resolve().is_relative_to(wheel_dir()) and link.resolve().is_file()
+    env = server_env({"PATH": "/usr/bin"}, model_override="/models/x")
+    assert env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
+    assert sysconfig.get_config_var("LIBDIR") in env["LD_LIBRARY_PATH"].split(":")
+    assert env["PAGEDSERVE_TRITON_MODEL"] == "/models/x"
+
+
+def test_launcher_names_a_missing_repository(tmp_path):
+    from pagedserve.core.cli import main
+
+    with pytest.raises(SystemExit, match="does not exist; pass --model-repository"):
+        main(["triton", "--model-repository", str(tmp_path / "nope"), "--http-port", "1"])
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "engine config file not found"),
+    ("{", "not valid JSON"),
+    ('{"model": "default", "max_num_seqs": 0}', "max_num_seqs"),
+    ('{"model": "default", "kv_cache_dtype": "int4"}', "kv_cache_dtype='int4'"),
+])
+def test_engine_json_errors_name_file_and_key(tmp_path, content, message):
+    from pagedserve.adapters.triton_server.engine_config import load_engine_config
+    from pagedserve.core.errors import ConfigError
+
+    path = tmp_path / "engine.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_engine_config(path)
+    assert str(path) in str(info.value)
+    if content is None:
+        return
+    path.write_text('{"model": "default", "block_size": 32}')
+    assert load_engine_config(path, model_override="/m").model.model == "/m"
