@@ -8,8 +8,8 @@ What is compared. One workload (bench/common.py; the 64-request throughput workl
 decoded greedily with EOS ignored) runs once per KV cache dtype, in this process, each time on a
 fresh engine with the SAME `kv_cache_memory`. The budget is sized so that bf16 admits only about
 `--concurrency` requests at once: concurrency x the mean blocks a request holds at full length x
-the bytes of one bf16 block. An int8 block costs 64 + 4 (scale) bytes per token and head instead
-of 128 at head_dim 64, so the same bytes hold 1.88x the tokens, and the scheduler keeps more
+the bytes of one bf16 block. An int8 block costs 64 + 2 (bf16 scale) bytes per token and head instead
+of 128 at head_dim 64, so the same bytes hold 1.94x the tokens, and the scheduler keeps more
 requests running (fewer waits and preemptions).
 
 Output: per KV dtype the pool (blocks, tokens), the most requests running in one step (requests
