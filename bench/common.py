@@ -15,6 +15,7 @@ the files it uses a built-in English text (the workload name says which).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import platform
@@ -74,6 +75,13 @@ class Workload:
         if n < 1:
             raise ValueError(f"num_requests={n}: ask for at least one request")
         return Workload(f"{self.name}[:{n}]", self.description, self.requests[:n])
+
+    def cap_new_tokens(self, max_new_tokens: int | None) -> "Workload":
+        """Every request's output length capped at max_new_tokens (unchanged for None)."""
+        if max_new_tokens is None:
+            return self
+        requests = [WorkloadRequest(r.prompt_ids, min(r.max_new_tokens, max_new_tokens)) for r in self.requests]
+        return Workload(f"{self.name}[new<={max_new_tokens}]", self.description, requests)
 
     def summary(self) -> str:
         return (f"workload {self.name}: {len(self.requests)} requests, {self.total_prompt_tokens} prompt tokens, "
@@ -147,6 +155,12 @@ def generate_workload(tokenizer: Any, num_requests: int = 64, prompt_len: tuple[
     desc = (f"prompts {prompt_len[0]}-{prompt_len[1]} tokens sliced from {text_label}, "
             f"outputs {new_tokens[0]}-{new_tokens[1]}")
     return Workload(name, desc, requests)
+
+
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """--workload and --num-requests, the same in every benchmark."""
+    ap.add_argument("--workload", default=None, help="workload JSON (default: the seeded generated workload)")
+    ap.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
 
 
 def load_workload(path: str | Path | None, tokenizer: Any, verbose: bool = True) -> Workload:

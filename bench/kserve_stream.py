@@ -34,18 +34,11 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (RunResult, Timer, Workload, WorkloadRequest, environment_line,  # noqa: E402
-                          load_workload, print_result, print_summary, ratio_line)
+from bench.common import (RunResult, Timer, Workload, WorkloadRequest, add_workload_args,  # noqa: E402
+                          environment_line, load_workload, print_result, print_summary, ratio_line)
 from bench.throughput import run_pagedserve  # noqa: E402
 
 MODEL_NAME = "bench"
-
-
-def cap_outputs(workload: Workload, max_new_tokens: int | None) -> Workload:
-    if max_new_tokens is None:
-        return workload
-    requests = [WorkloadRequest(r.prompt_ids, min(r.max_new_tokens, max_new_tokens)) for r in workload.requests]
-    return Workload(f"{workload.name}[new<={max_new_tokens}]", workload.description, requests)
 
 
 async def _stream_one(client: httpx.AsyncClient, url: str, req: WorkloadRequest) -> tuple[str, int]:
@@ -101,8 +94,7 @@ def run_kserve_stream(model: str, engine_args: list[str], workload: Workload,
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", default=None, help="workload JSON (default: the seeded generated workload)")
-    ap.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
+    add_workload_args(ap)
     ap.add_argument("--max-new-tokens", type=int, default=None, help="cap every request's output length")
     ap.add_argument("--model", default="default", help="local HF directory or 'default' (SmolLM2-135M)")
     ap.add_argument("--dtype", default="auto")
@@ -131,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
             config[key] = getattr(args, key)
             engine_args += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     engine = LLMEngine(EngineConfig.from_dict(config))
-    workload = cap_outputs(load_workload(args.workload, engine.tokenizer).head(args.num_requests), args.max_new_tokens)
+    workload = load_workload(args.workload, engine.tokenizer).head(args.num_requests).cap_new_tokens(args.max_new_tokens)
     if args.num_requests is not None or args.max_new_tokens is not None:
         print(f"[workload] reduced run: {workload.summary()}")
 

@@ -33,15 +33,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import RunResult, Timer, Workload, environment_line, load_workload, print_result  # noqa: E402
+from bench.common import (RunResult, Timer, Workload, add_workload_args, environment_line,  # noqa: E402
+                          load_workload, print_result)
 
 WARMUP = [[1, 2, 3, 4, 5, 6, 7, 8] * 4]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", default=None, help="workload JSON (default: the seeded generated workload)")
-    ap.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
+    add_workload_args(ap)
     ap.add_argument("--model", default="default", help="local HF directory or 'default' (SmolLM2-135M)")
     ap.add_argument("--dtype", default="float32", help="model dtype (float32 on AVX2 CPUs; bfloat16 on GPU)")
     ap.add_argument("--kv-dtypes", default="bf16,int8", help="comma-separated kv_cache_dtype values, baseline first")

@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (RunResult, Timer, Workload, environment_line, load_workload,  # noqa: E402
-                          print_result, print_summary, ratio_line)
+from bench.common import (RunResult, Timer, Workload, add_workload_args, environment_line,  # noqa: E402
+                          load_workload, print_result, print_summary, ratio_line)
 
 PEER_BATCH_SIZE = 32
 AGREEMENT_PREFIX = 16
@@ -128,8 +128,7 @@ def print_agreement(ours: list[list[int]], peer: list[list[int]], both_fp32: boo
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", default=None, help="workload JSON (default: the seeded generated workload)")
-    ap.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
+    add_workload_args(ap)
     ap.add_argument("--skip-peer", action="store_true", help="run pagedserve only")
     ap.add_argument("--model", default="default", help="local HF directory or 'default' (SmolLM2-135M)")
     ap.add_argument("--dtype", default="auto", help="pagedserve dtype: auto, float32, bfloat16, float16")

@@ -31,16 +31,15 @@ import json
 import os
 import queue
 import shutil
-import socket
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.common import (RunResult, Timer, environment_line, load_workload, print_result,  # noqa: E402
-                          print_summary, ratio_line)
+from bench.common import (RunResult, Timer, add_workload_args, environment_line, load_workload,  # noqa: E402
+                          print_result, print_summary, ratio_line)
+from pagedserve.adapters.local_ports import free_ports  # noqa: E402
 
 WARMUP = "The quick brown fox jumps over the lazy dog."
 
@@ -79,16 +78,6 @@ def run_inprocess(settings: dict, prompts: list[str], lengths: list[int]) -> tup
             [text for text, _ in results], tokenizer)
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _inputs(prompt: str, n: int):
     import numpy as np
     import tritonclient.grpc as grpcclient
@@ -115,7 +104,7 @@ def run_triton(settings: dict, prompts: list[str], lengths: list[int], prompt_to
     repo = log_dir / "model_repository"
     shutil.copytree(DEFAULT_REPOSITORY, repo)
     (repo / "pagedserve" / "1" / "engine.json").write_text(json.dumps(settings))
-    http, grpc, metrics = _free_ports(3)
+    http, grpc, metrics = free_ports(3)
     with Timer() as load:
         server = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, models=["pagedserve"],
                               log_path=log_dir / "tritonserver.log", timeout=900)
@@ -160,8 +149,7 @@ def _drain(events: queue.Queue, waiting: set[int], texts: dict[int, list[str]]) 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", default=None, help="workload JSON (default: the seeded generated workload)")
-    ap.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
+    add_workload_args(ap)
     ap.add_argument("--max-tokens", type=int, default=None, help="cap every request's output length")
     ap.add_argument("--model", default=None, help="override the engine JSON's model (local HF dir or 'default')")
     ap.add_argument("--engine-json", default=str(ROOT / "model_repository" / "pagedserve" / "1" / "engine.json"),
@@ -186,9 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(settings.get("model", "default")))
-    workload = load_workload(args.workload, tokenizer).head(args.num_requests)
+    workload = load_workload(args.workload, tokenizer).head(args.num_requests).cap_new_tokens(args.max_tokens or None)
     prompts = [tokenizer.decode(r.prompt_ids) for r in workload.requests]
-    lengths = [min(r.max_new_tokens, args.max_tokens or r.max_new_tokens) for r in workload.requests]
+    lengths = [r.max_new_tokens for r in workload.requests]
     print(f"[workload] using {len(prompts)} requests, {sum(lengths)} output tokens"
           + (f" (capped at {args.max_tokens} each)" if args.max_tokens else ""))
 

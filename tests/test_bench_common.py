@@ -62,6 +62,14 @@ def test_head_keeps_arrival_order():
         w.head(0)
 
 
+def test_cap_new_tokens_caps_only_longer_requests():
+    w = Workload("w", "d", [WorkloadRequest([i + 1], n) for i, n in enumerate((8, 20, 64))])
+    c = w.cap_new_tokens(16)
+    assert [r.max_new_tokens for r in c.requests] == [8, 16, 16]
+    assert [r.prompt_ids for r in c.requests] == [r.prompt_ids for r in w.requests]
+    assert c.name == "w[new<=16]" and w.cap_new_tokens(None) is w
+
+
 def test_load_workload_file(tmp_path, capsys):
     path = tmp_path / "w.json"
     path.write_text(json.dumps({"description": "tiny", "requests": [

@@ -16,12 +16,13 @@ import threading
 import numpy as np
 import pytest
 
+from pagedserve.adapters.local_ports import free_ports
 from pagedserve.adapters.triton_server.launcher import DEFAULT_REPOSITORY, start_server
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams
 
-from triton_helpers import (GrpcStream, MetricsPoller, free_ports, grpc_request, http_post, scrape,
+from triton_helpers import (GrpcStream, MetricsPoller, grpc_request, http_post, scrape,
                             sse_events, text_inputs, token_inputs, wait_for)
 
 pytestmark = pytest.mark.timeout(240)

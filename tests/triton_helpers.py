@@ -1,12 +1,11 @@
 """Client-side helpers for the real-tritonserver tests: the stock clients only (tritonclient.grpc,
-plain HTTP), free loopback ports, Prometheus text parsing."""
+plain HTTP), Prometheus text parsing."""
 
 from __future__ import annotations
 
 import json
 import queue
 import re
-import socket
 import threading
 import time
 import urllib.request
@@ -14,18 +13,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def text_inputs(prompt: str | bytes, stream: bool, sampling: dict | None = None, **flags: bool):

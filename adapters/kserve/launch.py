@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,11 +15,7 @@ from pathlib import Path
 
 import httpx
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from pagedserve.adapters.local_ports import free_ports
 
 
 @dataclass
@@ -58,7 +53,7 @@ def start_kserve(model: str | Path, log_path: Path, model_name: str = "pagedserv
                  timeout: float = 300.0) -> KServeProcess:
     """Start the server on loopback free ports; return once /v2/models/<name>/ready answers 200
     (the engine has loaded and warmed up). Raises with the log's tail if it exits or times out."""
-    http_port, grpc_port = free_port(), free_port()
+    http_port, grpc_port = free_ports(2)
     cmd = [sys.executable, "-m", "pagedserve.core.cli", "kserve", "--model", str(model), "--model-name", model_name,
            "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port), *args]
     with open(log_path, "w") as log:
