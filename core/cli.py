@@ -12,7 +12,6 @@ core never imports a platform (DESIGN.md): the platform subcommands import their
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -29,6 +28,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (tokens)")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache pool")
     p.add_argument("--engine-config", default=None, help="JSON file of engine settings (flags override it)")
 
@@ -36,15 +36,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace):
     from pagedserve.core.config import EngineConfig
 
-    data = {}
+    flags = {key: getattr(args, key) for key in ("model", "dtype", "block_size", "max_num_seqs",
+                                                  "max_num_batched_tokens", "max_model_len", "kv_cache_memory")
+             if getattr(args, key) is not None}
     if args.engine_config:
-        with open(args.engine_config) as f:
-            data = json.load(f)
-    for key in ("model", "dtype", "block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
-        value = getattr(args, key)
-        if value is not None:
-            data[key] = value
-    return EngineConfig.from_dict(data)
+        return EngineConfig.from_json_file(args.engine_config, flags)
+    return EngineConfig.from_dict(flags)
 
 
 def _generate(args: argparse.Namespace) -> int:

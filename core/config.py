@@ -7,7 +7,9 @@ Triton model.json or CLI flags), rejects unknown keys and names the field, value
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pagedserve.core.errors import ConfigError
@@ -118,6 +120,28 @@ class EngineConfig:
             )
         parts = {sec: {k: v for k, v in data.items() if keys[k] == sec} for sec in _SECTIONS}
         return cls(**{sec: build_strict(_SECTIONS[sec], parts[sec], ConfigError, what) for sec in _SECTIONS})
+
+    @classmethod
+    def from_json_file(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "EngineConfig":
+        """Build from a JSON file of flat settings (a Triton engine.json, `--engine-config`);
+        `overrides` (e.g. command-line flags) replace its keys. Every error names the file."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: engine config file not found; put the engine settings "
+                              '(e.g. {"model": "default"}) in a JSON file') from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+        if overrides and isinstance(data, dict):
+            data = {**data, **overrides}
+        try:
+            return cls.from_dict(data, what=str(path))
+        except ConfigError as exc:
+            if str(path) in str(exc):
+                raise
+            # Range checks inside the config sections name the key but not the file: add it.
+            raise ConfigError(f"{path}: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for sec in _SECTIONS for k, v in dataclasses.asdict(getattr(self, sec)).items()}

@@ -33,6 +33,22 @@ def test_engine_config_file_and_bad_key(tiny_model_dir, tmp_path, capsys):
     assert "unknown key(s) 'block_sizes'" in err and "block_size" in err
 
 
+def test_engine_config_file_errors_name_the_file_and_flags_override_it(tiny_model_dir, tmp_path, capsys):
+    from pagedserve.core.cli import build_parser, engine_config_from_args
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["generate", "--engine-config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "not valid JSON" in err and "Traceback" not in err
+
+    cfg = tmp_path / "engine.json"
+    cfg.write_text(json.dumps({"model": str(tiny_model_dir("llama")), "max_model_len": 512, "max_num_seqs": 8}))
+    args = build_parser().parse_args(["generate", "--engine-config", str(cfg), "--max-model-len", "256"])
+    config = engine_config_from_args(args)
+    assert config.model.max_model_len == 256 and config.scheduler.max_num_seqs == 8
+
+
 def test_missing_model_path_is_a_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pagedserve.core.cli", "generate", "--model", str(tmp_path / "nope")],
                           capture_output=True, text=True, timeout=120)

@@ -24,7 +24,6 @@ logger = logging.getLogger(__name__)
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedserve kserve", description=__doc__.split("\n\n")[0])
     _engine_args(p)
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (tokens)")
     p.add_argument("--model-name", default="pagedserve",
                    help="name on the routes (/v2/models/NAME, OpenAI `model`); default: pagedserve")
     p.add_argument("--model-version", default="1", help="the `version` label of the engine metrics")
@@ -68,8 +67,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config = engine_config_from_args(args)
-        if args.max_model_len is not None:
-            config = config.replace(max_model_len=args.max_model_len)
     except (PagedServeError, OSError, ValueError) as exc:
         print(f"pagedserve kserve: error: {exc}", file=sys.stderr)
         return 2
