@@ -4,6 +4,13 @@ The engine thread is the only one that touches engine state (DESIGN.md); callers
 through one command queue (add, abort) and get results through per-request asyncio queues fed
 with loop.call_soon_threadsafe. Closing or cancelling an iterator aborts its request, which the
 engine thread applies before its next step, so the request's blocks are freed within one step.
+
+The engine thread also builds the LLMEngine. torch's CPU ops run on an OpenMP team owned by the
+thread that starts them; loading the model on one thread and stepping it on another leaves two
+teams in the process, and once libgomp manages more threads than there are CPUs it stops
+spinning between parallel regions and sleeps/wakes its workers hundreds of times per step
+(measured on 2 cores: the same workload 35% slower, 71.3 s against 52.7 s). So keep every torch
+op of a process on this one thread: adapters never touch torch themselves.
 """
 
 from __future__ import annotations
@@ -59,12 +66,21 @@ _STOP = object()
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
-        self.engine = engine or LLMEngine(config)
+        """Build the LLMEngine from ``config`` on the engine thread and return once it is loaded
+        (a failed load raises here). ``engine``: an already built one (tests); built on another
+        thread it steps with the slower two-team OpenMP setup described in the module docstring."""
+        self.engine: LLMEngine | None = engine
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(config,), name="pagedserve-engine", daemon=True)
         self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            self._thread.join()
+            raise self._build_error
 
     # -- caller side -----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | Sequence[int],
@@ -112,7 +128,15 @@ class AsyncLLMEngine:
         self._thread.join(timeout)
 
     # -- engine thread ---------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, config: EngineConfig | None) -> None:
+        try:
+            if self.engine is None:
+                self.engine = LLMEngine(config)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by __init__ on the caller's thread
+            self._build_error = exc
+            return
+        finally:
+            self._built.set()
         try:
             while True:
                 block = not self.engine.has_unfinished_requests()
