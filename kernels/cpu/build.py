@@ -1,0 +1,62 @@
+"""Compile the CPU kernels (C++ through torch.utils.cpp_extension) once per machine.
+
+The build lands in torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``) keyed by the source and flags, so later processes load it in
+well under a second. A first build takes about a minute on 2 cores; ``scripts/setup.sh`` runs
+``python -m pagedserve.kernels.cpu`` so that no server pays it at startup.
+Concurrent first loads (two Triton model instances) wait on torch's build lock.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
+# Bump when the C++ interface changes in a way the source hash would not show.
+EXTENSION_NAME = "pagedserve_cpu_kernels_v1"
+# Reassociation lets GCC vectorise the dot products and sums; no -ffast-math, which would also
+# assume no NaN/inf (masked scores and softmax rely on real infinities).
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
+
+
+class CpuKernelsUnavailable(RuntimeError):
+    """The C++ CPU kernels could not be built or loaded here (the reference path still works)."""
+
+
+@functools.lru_cache(maxsize=1)
+def load_extension() -> ModuleType:
+    """Build (first time) and import the extension; raises CpuKernelsUnavailable naming why."""
+    missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
+    if missing:
+        raise CpuKernelsUnavailable(f"{' and '.join(missing)} not found on PATH (install a C++ compiler and "
+                                    "`pip install ninja`), or set attention_backend='reference'")
+    try:
+        from torch.utils.cpp_extension import load
+
+        # -fopenmp links libgomp.so.1, which resolves to the copy torch already loaded: one
+        # OpenMP runtime, one thread team.
+        return load(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                    verbose=False)
+    except Exception as exc:  # noqa: BLE001 - compiler output varies; keep its message
+        raise CpuKernelsUnavailable(f"building the C++ CPU kernels failed: {exc}") from exc
+
+
+def main() -> int:
+    try:
+        load_extension()
+    except CpuKernelsUnavailable as exc:
+        print(f"pagedserve: CPU kernels unavailable, the engine will use the pure-torch path: {exc}", file=sys.stderr)
+        return 1
+    print("pagedserve: CPU kernels built and loaded")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

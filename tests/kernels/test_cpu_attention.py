@@ -1,0 +1,84 @@
+"""C++ CPU paged attention vs the float64 dense oracle and the pure-torch reference.
+
+Batches come from test_reference_attention.make_batch: caches start full of NaN and stale
+block-table entries point at random blocks, so a read outside a sequence's own tokens fails.
+The first test in a fresh environment compiles the extension (about a minute on 2 cores).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import pagedserve.kernels.cpu.build as cpu_build
+from pagedserve.core.errors import ConfigError
+from pagedserve.core.layers.attention import select_attention_backend
+from pagedserve.kernels import cpu, reference
+from test_reference_attention import MIXED, TOLERANCES, dense_attention, make_batch
+
+DECODES = [(c, 1) for c in (0, 1, 15, 16, 17, 100, 257, 700)]
+
+
+def run_both(specs, *, num_kv_heads, group, head_dim, block_size, window=None, dtype=torch.float32, seed=0):
+    args, (keys, values, queries) = make_batch(specs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                                               block_size=block_size, dtype=dtype, seed=seed)
+    scale = head_dim**-0.5
+    out = cpu.paged_attention(**args, scale=scale, sliding_window=window)
+    expected = torch.cat([dense_attention(q, k, v, c, scale, window)
+                          for (c, _), q, k, v in zip(specs, queries, keys, values)])
+    torch.testing.assert_close(out.double(), expected, **TOLERANCES[dtype])
+    return out, reference.paged_attention(**args, scale=scale, sliding_window=window)
+
+
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size",
+                         [(3, 3, 64, 16), (2, 1, 64, 1), (1, 8, 128, 16), (4, 2, 32, 32), (2, 3, 80, 7)])
+@pytest.mark.parametrize("specs", [DECODES, MIXED], ids=["decodes", "mixed"])
+def test_matches_dense_and_reference(specs, num_kv_heads, group, head_dim, block_size):
+    out, ref = run_both(specs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, block_size=block_size)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 50, 4096])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_sliding_window(window, block_size):
+    run_both(DECODES + MIXED, num_kv_heads=2, group=3, head_dim=64, block_size=block_size, window=window)
+
+
+def test_other_cache_dtypes_take_the_reference_path():
+    out, ref = run_both(MIXED, num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    assert torch.equal(out, ref)
+
+
+def test_the_kernel_rejects_what_it_cannot_read():
+    args, _ = make_batch(DECODES, num_kv_heads=1, group=1, head_dim=64, block_size=16, dtype=torch.float32)
+    ext = cpu.load_extension()
+    out = torch.empty_like(args["query"])
+    with pytest.raises(RuntimeError, match="int32"):
+        ext.paged_decode_attention(out, args["query"], args["key_cache"], args["value_cache"],
+                                   args["block_table"].long(), args["query_start_loc"], args["seq_lens"], 0.1, 0)
+    too_long = args["seq_lens"].clone()
+    too_long[0] = args["block_table"].shape[1] * 16 + 1
+    with pytest.raises(RuntimeError, match="does not fit the block table"):
+        ext.paged_decode_attention(out, args["query"], args["key_cache"], args["value_cache"],
+                                   args["block_table"], args["query_start_loc"], too_long, 0.1, 0)
+
+
+def test_auto_selects_the_cpu_kernels():
+    assert select_attention_backend("auto", torch.device("cpu")) is cpu
+    assert select_attention_backend("cpu", torch.device("cpu")) is cpu
+    assert select_attention_backend("reference", torch.device("cpu")) is reference
+
+
+def test_without_a_compiler_auto_falls_back_and_cpu_fails(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_build.shutil, "which", lambda tool: None)
+    cpu_build.load_extension.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert select_attention_backend("auto", torch.device("cpu")) is reference
+        assert "c++ and ninja not found" in caplog.text
+        with pytest.raises(ConfigError, match="attention_backend='cpu'.*not found on PATH"):
+            select_attention_backend("cpu", torch.device("cpu"))
+    finally:
+        cpu_build.load_extension.cache_clear()
