@@ -2,7 +2,7 @@
 
 Plain PyTorch in the manner of gpt-fast: weights are tensors, forward is a few lines per block.
 q/k/v and gate/up projections are fused into one matmul each at load time (fewer, larger GEMMs).
-Attention goes through the kernel pair chosen at start-up (reference on CPU, Triton on CUDA):
+Attention goes through the kernel pair chosen at start-up (kernels/cpu on CPU, Triton on CUDA):
 store this step's K/V through slot_mapping (quantizing on write for int8/fp8 caches), then attend
 through block_table (dequantizing on load).
 """
