@@ -1,8 +1,9 @@
 """Compile the CPU kernels (C++ through torch.utils.cpp_extension) once per machine.
 
 The build lands in torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``) keyed by the source and flags, so later processes load it in
-well under a second. A first build takes about a minute on 2 cores; ``scripts/setup.sh`` runs
+``~/.cache/torch_extensions``) under a name hashed from the source, the flags and the checkout's
+path (torch rebuilds whenever the recorded source path changes, so two checkouts sharing one
+name would rebuild each other's), and later processes load it in about a second. A first build takes about a minute on 2 cores; ``scripts/setup.sh`` runs
 ``python -m pagedserve.kernels.cpu`` so that no server pays it at startup.
 Concurrent first loads (two Triton model instances) wait on torch's build lock.
 """
@@ -10,7 +11,9 @@ Concurrent first loads (two Triton model instances) wait on torch's build lock.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -19,8 +22,6 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
-# Bump when the C++ interface changes in a way the source hash would not show.
-EXTENSION_NAME = "pagedserve_cpu_kernels_v1"
 # Reassociation lets GCC vectorise the dot products and sums; no -ffast-math, which would also
 # assume no NaN/inf (masked scores and softmax rely on real infinities).
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
@@ -30,9 +31,25 @@ class CpuKernelsUnavailable(RuntimeError):
     """The C++ CPU kernels could not be built or loaded here (the reference path still works)."""
 
 
+def extension_name() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + str(SOURCE).encode()).hexdigest()
+    return f"pagedserve_cpu_kernels_{digest[:12]}"
+
+
+def _put_pip_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the pip package's binary is not on it outside an activated venv."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
 @functools.lru_cache(maxsize=1)
 def load_extension() -> ModuleType:
     """Build (first time) and import the extension; raises CpuKernelsUnavailable naming why."""
+    _put_pip_ninja_on_path()
     missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
     if missing:
         raise CpuKernelsUnavailable(f"{' and '.join(missing)} not found on PATH (install a C++ compiler and "
@@ -42,7 +59,7 @@ def load_extension() -> ModuleType:
 
         # -fopenmp links libgomp.so.1, which resolves to the copy torch already loaded: one
         # OpenMP runtime, one thread team.
-        return load(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+        return load(name=extension_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                     verbose=False)
     except Exception as exc:  # noqa: BLE001 - compiler output varies; keep its message
         raise CpuKernelsUnavailable(f"building the C++ CPU kernels failed: {exc}") from exc

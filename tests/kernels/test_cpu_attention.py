@@ -8,6 +8,7 @@ The first test in a fresh environment compiles the extension (about a minute on 
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -72,6 +73,7 @@ def test_auto_selects_the_cpu_kernels():
 
 
 def test_without_a_compiler_auto_falls_back_and_cpu_fails(monkeypatch, caplog):
+    monkeypatch.setenv("PATH", os.environ["PATH"])  # restored afterwards: the loader may extend it
     monkeypatch.setattr(cpu_build.shutil, "which", lambda tool: None)
     cpu_build.load_extension.cache_clear()
     try:
@@ -82,3 +84,14 @@ def test_without_a_compiler_auto_falls_back_and_cpu_fails(monkeypatch, caplog):
             select_attention_backend("cpu", torch.device("cpu"))
     finally:
         cpu_build.load_extension.cache_clear()
+
+
+def test_the_build_name_follows_source_flags_and_checkout(monkeypatch, tmp_path):
+    name = cpu_build.extension_name()
+    copy = tmp_path / cpu_build.SOURCE.name
+    copy.write_bytes(cpu_build.SOURCE.read_bytes())
+    monkeypatch.setattr(cpu_build, "SOURCE", copy)
+    assert cpu_build.extension_name() != name  # another checkout never rebuilds this one's library
+    other_flags = cpu_build.extension_name()
+    monkeypatch.setattr(cpu_build, "CFLAGS", [*cpu_build.CFLAGS, "-DX"])
+    assert cpu_build.extension_name() != other_flags
