@@ -1,12 +1,15 @@
-"""CPU attention: decode rows through the C++ kernel, everything else through the reference.
+"""CPU attention: decode rows through the C++ kernel, prefill rows through the reference's SDPA.
 
-The C++ kernel (paged_decode_attention.cpp) covers the hot case, fp32 caches and queries, one
-query row per sequence, with or without a sliding window. Prefill chunks keep the reference's
-SDPA (flash kernel, GEMM-shaped work), and bf16/fp16/quantized caches keep the reference path
-entirely. The contract is the reference's (kernels/reference/attention.py), checked the same way.
+The C++ kernel (paged_decode_attention.cpp) covers the hot case: fp32 queries, one query row per
+sequence, with or without a sliding window, reading fp32, bf16, int8 or fp8 caches in place
+(dequantizing row by row with the same per-slot or static scales as the reference). Prefill
+chunks keep the reference's SDPA (GEMM-shaped work); fp16 caches and non-fp32 queries keep the
+reference path entirely. The contract is the reference's (kernels/reference/attention.py).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -17,6 +20,15 @@ from pagedserve.kernels.reference.attention import check_paged_attention_args, p
 
 reshape_and_cache = reference.reshape_and_cache
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_READS_IN_PLACE = (torch.float32, torch.bfloat16, torch.int8, *_FP8)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_table(dtype: torch.dtype) -> Tensor:
+    """Every 8-bit code of an fp8 format -> its fp32 value (what ``codes.float()`` gives)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().contiguous()
+
 
 def paged_attention(
     query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor, query_start_loc: Tensor,
@@ -24,15 +36,20 @@ def paged_attention(
     k_scale: Tensor | None = None, v_scale: Tensor | None = None,
 ) -> Tensor:
     """Same signature, contract and result as pagedserve.kernels.reference.paged_attention."""
-    if not (query.dtype == key_cache.dtype == torch.float32 and k_scale is None and query.is_contiguous()):
+    if not (query.dtype == torch.float32 and key_cache.dtype in _READS_IN_PLACE and query.is_contiguous()):
         return reference.paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
                                          scale, max_query_len, max_seq_len, sliding_window, k_scale, v_scale)
     starts, lens, q_lens, _ = check_paged_attention_args(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, max_query_len, max_seq_len,
         sliding_window, k_scale, v_scale)
     out = torch.empty_like(query)
-    load_extension().paged_decode_attention(out, query, key_cache, value_cache, block_table, query_start_loc,
-                                            seq_lens, float(scale), sliding_window or 0)
+    table = None
+    k_codes, v_codes = key_cache, value_cache
+    if key_cache.dtype in _FP8:  # the kernel reads fp8 codes as bytes through a value table
+        table = _fp8_table(key_cache.dtype)
+        k_codes, v_codes = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    load_extension().paged_decode_attention(out, query, k_codes, v_codes, block_table, query_start_loc, seq_lens,
+                                            float(scale), sliding_window or 0, k_scale, v_scale, table)
     prefill_attention(query, key_cache, value_cache, block_table, starts, lens, q_lens, scale, sliding_window,
                       k_scale, v_scale, out)
     return out

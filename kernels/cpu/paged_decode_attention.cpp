@@ -1,7 +1,9 @@
-// Paged decode attention on CPU: one query row per sequence, fp32, K/V read in place through
-// the block table. The pure-torch reference (kernels/reference/attention.py) gathers every key of
-// every decode row into a fresh buffer before SDPA; reading the cache in place skips that copy,
-// which was most of the attention time on 2-core machines.
+// Paged decode attention on CPU: one query row per sequence, fp32 queries and arithmetic, K/V
+// read in place through the block table. The pure-torch reference (kernels/reference/attention.py)
+// gathers every key of every decode row into a fresh buffer before SDPA; reading the cache in
+// place skips that copy. At large batches decode attention is bound by memory bandwidth, so the
+// cache is read in its stored format (fp32, bf16, int8 or fp8 codes with per-slot bf16 or static
+// fp32 scales) and widened to fp32 one row at a time in L1, never as a whole.
 //
 // Work item = (decode sequence, KV head): the group's query heads (GQA) share one pass over the
 // keys, so each K/V row is loaded once per item. Scores are kept for the whole context (at most
@@ -12,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -26,20 +29,65 @@ namespace {
 
 struct Geometry {
   int64_t block_size;
-  int64_t row_stride;  // floats between consecutive cache slots: num_kv_heads * head_dim
+  int64_t row_stride;  // elements between consecutive cache slots: num_kv_heads * head_dim
+  int64_t num_kv_heads;
   int64_t group;       // query heads per KV head
   int64_t head_dim;
 };
 
+enum CacheKind : int64_t { kFloat32 = 0, kBFloat16 = 1, kInt8 = 2, kFp8 = 3 };
+
+// One KV head of one cache, with how to widen its rows to fp32.
+struct Source {
+  const void* data;        // cache base offset to the head
+  const uint16_t* scales;  // per-slot bf16 scales offset to the head (stride num_kv_heads), or null
+  float static_scale;      // the scale when `scales` is null (1 for float caches)
+  const float* lut;        // fp8 code -> value, 256 entries (kFp8 only)
+};
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+// fp32 values of cache slot `slot` (head_dim of them): a pointer into the cache for fp32, else
+// `tmp` filled with code * scale, exactly as the reference's dequantize_kv computes it.
+template <int64_t Kind>
+__attribute__((always_inline)) inline const float* load_row(const Source& s, int64_t slot, const Geometry& g,
+                                                            float* tmp) {
+  const int64_t off = slot * g.row_stride, D = g.head_dim;
+  if constexpr (Kind == kFloat32) {
+    return static_cast<const float*>(s.data) + off;
+  } else if constexpr (Kind == kBFloat16) {
+    const uint16_t* p = static_cast<const uint16_t*>(s.data) + off;
+    for (int64_t d = 0; d < D; ++d) tmp[d] = bf16_to_float(p[d]);
+    return tmp;
+  } else {
+    const float scale = s.scales != nullptr ? bf16_to_float(s.scales[slot * g.num_kv_heads]) : s.static_scale;
+    if constexpr (Kind == kInt8) {
+      const int8_t* p = static_cast<const int8_t*>(s.data) + off;
+      for (int64_t d = 0; d < D; ++d) tmp[d] = static_cast<float>(p[d]) * scale;
+    } else {
+      const uint8_t* p = static_cast<const uint8_t*>(s.data) + off;
+      for (int64_t d = 0; d < D; ++d) tmp[d] = s.lut[p[d]] * scale;
+    }
+    return tmp;
+  }
+}
+
 // Attention of `group` query rows (q: group x head_dim, contiguous) over cache positions
-// [first, last) of one sequence and one KV head (k, v already offset to that head).
-PAGEDSERVE_MULTIVERSION
-void attend(const float* q, const float* k, const float* v, const int32_t* blocks, int64_t first,
-            int64_t last, const Geometry& g, float scale, float* scores, float* out) {
+// [first, last) of one sequence and one KV head.
+template <int64_t Kind>
+__attribute__((always_inline)) inline void attend(const float* q, const Source& k, const Source& v,
+                                                  const int32_t* blocks, int64_t first, int64_t last,
+                                                  const Geometry& g, float scale, float* scores, float* tmp,
+                                                  float* out) {
   const int64_t n = last - first, D = g.head_dim;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t pos = first + i;
-    const float* kr = k + (static_cast<int64_t>(blocks[pos / g.block_size]) * g.block_size + pos % g.block_size) * g.row_stride;
+    const float* kr = load_row<Kind>(k, static_cast<int64_t>(blocks[pos / g.block_size]) * g.block_size + pos % g.block_size, g, tmp);
     for (int64_t h = 0; h < g.group; ++h) {
       const float* qr = q + h * D;
       float dot = 0.f;
@@ -62,7 +110,7 @@ void attend(const float* q, const float* k, const float* v, const int32_t* block
   }
   for (int64_t i = 0; i < n; ++i) {
     const int64_t pos = first + i;
-    const float* vr = v + (static_cast<int64_t>(blocks[pos / g.block_size]) * g.block_size + pos % g.block_size) * g.row_stride;
+    const float* vr = load_row<Kind>(v, static_cast<int64_t>(blocks[pos / g.block_size]) * g.block_size + pos % g.block_size, g, tmp);
     for (int64_t h = 0; h < g.group; ++h) {
       const float p = scores[h * n + i];
       float* o = out + h * D;
@@ -72,17 +120,78 @@ void attend(const float* q, const float* k, const float* v, const int32_t* block
   }
 }
 
+// One compiled entry per cache kind; each is cloned for AVX2+FMA and the baseline ISA.
+#define PAGEDSERVE_ATTEND_ENTRY(NAME, KIND)                                                                  \
+  PAGEDSERVE_MULTIVERSION void NAME(const float* q, const Source& k, const Source& v, const int32_t* blocks, \
+                                    int64_t first, int64_t last, const Geometry& g, float scale,           \
+                                    float* scores, float* tmp, float* out) {                               \
+    attend<KIND>(q, k, v, blocks, first, last, g, scale, scores, tmp, out);                                \
+  }
+PAGEDSERVE_ATTEND_ENTRY(attend_fp32, kFloat32)
+PAGEDSERVE_ATTEND_ENTRY(attend_bf16, kBFloat16)
+PAGEDSERVE_ATTEND_ENTRY(attend_int8, kInt8)
+PAGEDSERVE_ATTEND_ENTRY(attend_fp8, kFp8)
+
+using AttendFn = void (*)(const float*, const Source&, const Source&, const int32_t*, int64_t, int64_t,
+                          const Geometry&, float, float*, float*, float*);
+
+}  // namespace
+
+namespace {
+
+int64_t cache_kind(const torch::Tensor& cache, const torch::Tensor& lut) {
+  switch (cache.scalar_type()) {
+    case torch::kFloat32: return kFloat32;
+    case torch::kBFloat16: return kBFloat16;
+    case torch::kChar: return kInt8;
+    case torch::kByte:  // fp8 codes, passed as uint8 with their decoding table
+      TORCH_CHECK(lut.defined() && lut.scalar_type() == torch::kFloat32 && lut.numel() == 256 && lut.is_contiguous(),
+                  "8-bit float caches (passed as uint8) need a float32 [256] code table");
+      return kFp8;
+    default:
+      TORCH_CHECK(false, "paged_decode_attention: unsupported cache dtype ", cache.scalar_type(),
+                  " (float32, bfloat16, int8, or fp8 codes as uint8)");
+  }
+}
+
+// Per-slot bf16 scales [num_blocks, block_size, num_kv_heads], a 0-dim float32 static scale, or
+// undefined for float caches.
+void scale_pointers(const torch::Tensor& scale, int64_t kind, const torch::Tensor& cache, const uint16_t** per_slot,
+                    float* fixed) {
+  *per_slot = nullptr;
+  *fixed = 1.f;
+  if (kind == kFloat32 || kind == kBFloat16) {
+    TORCH_CHECK(!scale.defined(), "float caches take no scales");
+    return;
+  }
+  TORCH_CHECK(scale.defined(), "quantized caches need k_scale and v_scale");
+  if (scale.dim() == 0) {
+    TORCH_CHECK(scale.scalar_type() == torch::kFloat32, "a static scale must be a 0-dim float32 tensor");
+    *fixed = scale.item<float>();
+    return;
+  }
+  TORCH_CHECK(scale.scalar_type() == torch::kBFloat16 && scale.is_contiguous() && scale.dim() == 3 &&
+                  scale.size(0) == cache.size(0) && scale.size(1) == cache.size(1) && scale.size(2) == cache.size(2),
+              "per-slot scales must be contiguous bfloat16 [num_blocks, block_size, num_kv_heads]");
+  *per_slot = reinterpret_cast<const uint16_t*>(scale.data_ptr());
+}
+
 }  // namespace
 
 // Writes out[row] for every sequence whose query_start_loc span is exactly one row; rows of
 // longer spans (prefill chunks) are left untouched for the caller. sliding_window <= 0: none.
+// k_scale / v_scale: undefined (None) for float caches; fp8_lut: undefined unless the caches are
+// fp8 codes viewed as uint8.
 void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                             torch::Tensor value_cache, torch::Tensor block_table,
                             torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
-                            int64_t sliding_window) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && key_cache.scalar_type() == torch::kFloat32 &&
-                  value_cache.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32,
-              "paged_decode_attention: query, caches and out must be float32");
+                            int64_t sliding_window, c10::optional<torch::Tensor> k_scale,
+                            c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> fp8_lut) {
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32,
+              "paged_decode_attention: query and out must be float32");
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "key and value caches differ in dtype");
+  const torch::Tensor lut = fp8_lut.value_or(torch::Tensor());
+  const int64_t kind = cache_kind(key_cache, lut);
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [num_tokens, num_heads, head_dim]");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "caches must be [num_blocks, block_size, num_kv_heads, head_dim]");
@@ -97,6 +206,10 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "query heads/head_dim do not fit the cache");
   const int64_t num_seqs = seq_lens.size(0), max_blocks = block_table.size(1);
   TORCH_CHECK(block_table.size(0) == num_seqs && query_start_loc.size(0) == num_seqs + 1, "batch sizes disagree");
+  const uint16_t *k_scales, *v_scales;
+  float k_fixed, v_fixed;
+  scale_pointers(k_scale.value_or(torch::Tensor()), kind, key_cache, &k_scales, &k_fixed);
+  scale_pointers(v_scale.value_or(torch::Tensor()), kind, value_cache, &v_scales, &v_fixed);
 
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -107,10 +220,14 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
       decode_seqs.push_back(b);
     }
   }
-  const Geometry g{block_size, num_kv_heads * head_dim, num_heads / num_kv_heads, head_dim};
+  const Geometry g{block_size, num_kv_heads * head_dim, num_kv_heads, num_heads / num_kv_heads, head_dim};
+  const AttendFn attend_fn = kind == kFloat32 ? attend_fp32 : kind == kBFloat16 ? attend_bf16
+                           : kind == kInt8 ? attend_int8 : attend_fp8;
+  const int64_t elem = key_cache.element_size();
+  const char* kp = static_cast<const char*>(key_cache.data_ptr());
+  const char* vp = static_cast<const char*>(value_cache.data_ptr());
+  const float* lut_p = kind == kFp8 ? lut.data_ptr<float>() : nullptr;
   const float* qp = query.data_ptr<float>();
-  const float* kp = key_cache.data_ptr<float>();
-  const float* vp = value_cache.data_ptr<float>();
   const int32_t* bt = block_table.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
@@ -118,20 +235,25 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   const int64_t items = static_cast<int64_t>(decode_seqs.size()) * num_kv_heads;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<float> tmp(head_dim);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = decode_seqs[w / num_kv_heads], h = w % num_kv_heads;
       const int64_t last = lens[b];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, last - sliding_window) : 0;
       scores.resize(g.group * (last - first));
-      const int64_t row = starts[b];
-      const int64_t head_offset = (row * num_heads + h * g.group) * head_dim;
-      attend(qp + head_offset, kp + h * head_dim, vp + h * head_dim, bt + b * max_blocks, first, last, g, sc,
-             scores.data(), op + head_offset);
+      const Source k{kp + h * head_dim * elem, k_scales ? k_scales + h : nullptr, k_fixed, lut_p};
+      const Source v{vp + h * head_dim * elem, v_scales ? v_scales + h : nullptr, v_fixed, lut_p};
+      const int64_t head_offset = (starts[b] * num_heads + h * g.group) * head_dim;
+      attend_fn(qp + head_offset, k, v, bt + b * max_blocks, first, last, g, sc, scores.data(), tmp.data(),
+                op + head_offset);
     }
   });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode rows of a packed varlen batch attending over a paged fp32 KV cache (in place).");
+        "Decode rows of a packed varlen batch attending over a paged KV cache (fp32, bf16, int8 or fp8 codes).",
+        py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
+        py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("fp8_lut") = py::none());
 }

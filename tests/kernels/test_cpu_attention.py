@@ -17,6 +17,7 @@ import pagedserve.kernels.cpu.build as cpu_build
 from pagedserve.core.errors import ConfigError
 from pagedserve.core.layers.attention import select_attention_backend
 from pagedserve.kernels import cpu, reference
+from quant_batches import QUANT_KV_DTYPES, make_kv_batch
 from test_reference_attention import MIXED, TOLERANCES, dense_attention, make_batch
 
 DECODES = [(c, 1) for c in (0, 1, 15, 16, 17, 100, 257, 700)]
@@ -47,7 +48,32 @@ def test_sliding_window(window, block_size):
     run_both(DECODES + MIXED, num_kv_heads=2, group=3, head_dim=64, block_size=block_size, window=window)
 
 
-def test_other_cache_dtypes_take_the_reference_path():
+CACHE_CASES = [(torch.bfloat16, False)] + [(d, static) for d in QUANT_KV_DTYPES for static in (False, True)]
+
+
+@pytest.mark.parametrize("cache_dtype,static", CACHE_CASES,
+                         ids=[f"{d}-{'static' if s else 'dynamic'}" for d, s in CACHE_CASES])
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,window",
+                         [(3, 3, 64, 16, None), (2, 1, 64, 1, 50), (1, 8, 128, 16, None)])
+def test_reads_bf16_and_quantized_caches_in_place(cache_dtype, static, num_kv_heads, group, head_dim, block_size,
+                                                   window):
+    # Queries and the oracle's K/V are the exact values the cache holds (dequantized codes); unused
+    # slots hold NaN codes or NaN scales, so a stray read fails.
+    args, (keys, values, queries) = make_kv_batch(
+        DECODES + MIXED, cache_dtype=cache_dtype, static=static, num_kv_heads=num_kv_heads, group=group,
+        head_dim=head_dim, block_size=block_size)
+    scale = head_dim**-0.5
+    out = cpu.paged_attention(**args, scale=scale, sliding_window=window)
+    expected = torch.cat([dense_attention(q, k, v, c, scale, window)
+                          for (c, _), q, k, v in zip(DECODES + MIXED, queries, keys, values)])
+    torch.testing.assert_close(out.double(), expected, **TOLERANCES[torch.float32])
+    ref = reference.paged_attention(**args, scale=scale, sliding_window=window)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_fp16_caches_and_bf16_queries_take_the_reference_path():
+    out, ref = run_both(MIXED, num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.float16)
+    assert torch.equal(out, ref)
     out, ref = run_both(MIXED, num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
     assert torch.equal(out, ref)
 
@@ -64,6 +90,14 @@ def test_the_kernel_rejects_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="does not fit the block table"):
         ext.paged_decode_attention(out, args["query"], args["key_cache"], args["value_cache"],
                                    args["block_table"], args["query_start_loc"], too_long, 0.1, 0)
+    int8 = args["key_cache"].to(torch.int8)
+    with pytest.raises(RuntimeError, match="quantized caches need k_scale and v_scale"):
+        ext.paged_decode_attention(out, args["query"], int8, int8, args["block_table"], args["query_start_loc"],
+                                   args["seq_lens"], 0.1, 0)
+    with pytest.raises(RuntimeError, match="code table"):
+        codes = int8.view(torch.uint8)
+        ext.paged_decode_attention(out, args["query"], codes, codes, args["block_table"], args["query_start_loc"],
+                                   args["seq_lens"], 0.1, 0, torch.tensor(1.0), torch.tensor(1.0))
 
 
 def test_auto_selects_the_cpu_kernels():
