@@ -3,8 +3,9 @@
 The build lands in torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``) under a name hashed from the source, the flags and the checkout's
 path (torch rebuilds whenever the recorded source path changes, so two checkouts sharing one
-name would rebuild each other's), and later processes load it in about a second. A first build takes about a minute on 2 cores; ``scripts/setup.sh`` runs
-``python -m pagedserve.kernels.cpu`` so that no server pays it at startup.
+name would rebuild each other's). A first build takes about a minute on 2 cores and
+``scripts/setup.sh`` runs it (``python -m pagedserve.kernels.cpu``), so no server pays it at
+startup; later loads take about 2 s (torch still runs ninja and checks the compiler).
 Concurrent first loads (two Triton model instances) wait on torch's build lock.
 """
 
@@ -12,14 +13,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import logging
 import os
 import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
 # Reassociation lets GCC vectorise the dot products and sums; no -ffast-math, which would also
