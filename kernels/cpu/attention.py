@@ -39,7 +39,7 @@ def paged_attention(
     if not (query.dtype == torch.float32 and key_cache.dtype in _READS_IN_PLACE and query.is_contiguous()):
         return reference.paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
                                          scale, max_query_len, max_seq_len, sliding_window, k_scale, v_scale)
-    starts, lens, q_lens, _ = check_paged_attention_args(
+    starts, lens, q_lens, mode = check_paged_attention_args(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, max_query_len, max_seq_len,
         sliding_window, k_scale, v_scale)
     out = torch.empty_like(query)
@@ -50,6 +50,6 @@ def paged_attention(
         k_codes, v_codes = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     load_extension().paged_decode_attention(out, query, k_codes, v_codes, block_table, query_start_loc, seq_lens,
                                             float(scale), sliding_window or 0, k_scale, v_scale, table)
-    prefill_attention(query, key_cache, value_cache, block_table, starts, lens, q_lens, scale, sliding_window,
-                      k_scale, v_scale, out)
+    prefill_attention(query, key_cache, value_cache, block_table, starts, lens, q_lens, mode, scale,
+                      sliding_window, k_scale, v_scale, out)
     return out

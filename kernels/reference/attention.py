@@ -122,17 +122,14 @@ def paged_attention(
     starts, lens, q_lens, mode = check_paged_attention_args(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, max_query_len, max_seq_len,
         sliding_window, k_scale, v_scale)
-    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     out = torch.empty_like(query)
-    # A source is (flat cache, flat per-slot scales | 0-dim scale | None): see _gather.
-    k_src = (key_cache.view(-1, num_kv_heads, head_dim), _flat_scale(k_scale, mode, num_kv_heads))
-    v_src = (value_cache.view(-1, num_kv_heads, head_dim), _flat_scale(v_scale, mode, num_kv_heads))
+    k_src, v_src = _sources(key_cache, value_cache, k_scale, v_scale, mode)
     decodes = [b for b in range(len(lens)) if q_lens[b] == 1]
     if decodes:
-        _decode_attention(query, k_src, v_src, block_table, block_size, starts, lens, decodes,
+        _decode_attention(query, k_src, v_src, block_table, key_cache.shape[1], starts, lens, decodes,
                           scale, sliding_window, out)
-    prefill_attention(query, key_cache, value_cache, block_table, starts, lens, q_lens, scale, sliding_window,
-                      k_scale, v_scale, out)
+    _prefill_rows(query, k_src, v_src, block_table, key_cache.shape[1], starts, lens, q_lens, scale,
+                  sliding_window, out)
     return out
 
 
@@ -166,21 +163,32 @@ def check_paged_attention_args(query, key_cache, value_cache, block_table, query
     return starts, lens, q_lens, mode
 
 
-def prefill_attention(query, key_cache, value_cache, block_table, starts, lens, q_lens, scale, sliding_window,
-                      k_scale, v_scale, out) -> None:
-    """Fill ``out`` for the sequences with more than one query row (arguments already checked)."""
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
-    mode = scale_mode(key_cache, k_scale, v_scale)
-    k_src = (key_cache.view(-1, num_kv_heads, head_dim), _flat_scale(k_scale, mode, num_kv_heads))
-    v_src = (value_cache.view(-1, num_kv_heads, head_dim), _flat_scale(v_scale, mode, num_kv_heads))
+def prefill_attention(query, key_cache, value_cache, block_table, starts, lens, q_lens, mode, scale,
+                      sliding_window, k_scale, v_scale, out) -> None:
+    """Fill ``out`` for the sequences with more than one query row; the other arguments as
+    check_paged_attention_args returned them (its checks already ran)."""
+    k_src, v_src = _sources(key_cache, value_cache, k_scale, v_scale, mode)
+    _prefill_rows(query, k_src, v_src, block_table, key_cache.shape[1], starts, lens, q_lens, scale,
+                  sliding_window, out)
+
+
+def _sources(key_cache, value_cache, k_scale, v_scale, mode) -> tuple[tuple, tuple]:
+    """(k_src, v_src), each (flat cache, flat per-slot scales | 0-dim scale | None): see _gather."""
+    num_kv_heads, head_dim = key_cache.shape[2:]
+
+    def flat_scale(scale: Tensor | None) -> Tensor | None:
+        return scale.view(-1, num_kv_heads) if mode == "dynamic" else scale
+
+    return ((key_cache.view(-1, num_kv_heads, head_dim), flat_scale(k_scale)),
+            (value_cache.view(-1, num_kv_heads, head_dim), flat_scale(v_scale)))
+
+
+def _prefill_rows(query, k_src, v_src, block_table, block_size, starts, lens, q_lens, scale, sliding_window,
+                  out) -> None:
     for b, q_len in enumerate(q_lens):
         if q_len > 1:
             _prefill_attention(query, k_src, v_src, block_table[b], block_size, starts[b], q_len,
                                lens[b], scale, sliding_window, out)
-
-
-def _flat_scale(scale: Tensor | None, mode: str, num_kv_heads: int) -> Tensor | None:
-    return scale.view(-1, num_kv_heads) if mode == "dynamic" else scale
 
 
 def _gather(src: tuple[Tensor, Tensor | None], slots: Tensor) -> Tensor:
