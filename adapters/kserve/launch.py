@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from pagedserve.adapters.child_process import stop_process
 from pagedserve.adapters.local_ports import free_ports
 
 
@@ -39,13 +40,7 @@ class KServeProcess:
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM (kserve drains and stops), SIGKILL if it does not exit in time."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc, signal.SIGTERM, timeout, kill_timeout=10)
 
 
 def start_kserve(model: str | Path, log_path: Path, model_name: str = "pagedserve",

@@ -33,6 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedserve.adapters.child_process import stop_process
 from pagedserve.adapters.triton_server.engine_config import MODEL_OVERRIDE_ENV
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
@@ -130,13 +131,7 @@ class TritonServer:
         return f"; last log lines ({self.log_path}):\n" + "\n".join(tail)
 
     def stop(self, timeout: float = 20.0) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        stop_process(self.process, signal.SIGINT, timeout, kill_timeout=5)
         for region in glob.glob(f"/dev/shm/{self.shm_prefix}*"):
             try:
                 os.unlink(region)
