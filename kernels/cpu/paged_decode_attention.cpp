@@ -1,5 +1,6 @@
-// Paged decode attention on CPU: one query row per sequence, fp32 queries and arithmetic, K/V
-// read in place through the block table. The pure-torch reference (kernels/reference/attention.py)
+// Paged decode attention on CPU: one query row per sequence, fp32 queries and arithmetic (the
+// Python wrapper widens bf16 queries and rounds the result back), K/V read in place through the
+// block table. The pure-torch reference (kernels/reference/attention.py)
 // gathers every key of every decode row into a fresh buffer before SDPA; reading the cache in
 // place skips that copy. At large batches decode attention is bound by memory bandwidth, so the
 // cache is read in its stored format (fp32, bf16, int8 or fp8 codes with per-slot bf16 or static

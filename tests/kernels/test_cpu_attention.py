@@ -72,11 +72,39 @@ def test_reads_bf16_and_quantized_caches_in_place(cache_dtype, static, num_kv_he
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
-def test_fp16_caches_and_bf16_queries_take_the_reference_path():
+def test_fp16_takes_the_reference_path():
     out, ref = run_both(MIXED, num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.float16)
     assert torch.equal(out, ref)
-    out, ref = run_both(MIXED, num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
-    assert torch.equal(out, ref)
+
+
+def _without_the_reference_path(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("bf16 queries fell back to the reference path")
+    monkeypatch.setattr(cpu.attention.reference, "paged_attention", refuse)
+
+
+# bf16 queries are the engine's dtype on AMX hosts. Kernel and reference both attend in fp32 and
+# round once to bf16, so they agree to within one bf16 rounding step.
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("specs", [DECODES, MIXED], ids=["decodes", "mixed"])
+def test_bf16_queries_run_through_the_kernel(specs, cache_dtype, monkeypatch):
+    if cache_dtype == torch.bfloat16:
+        args, (keys, values, queries) = make_batch(specs, num_kv_heads=3, group=3, head_dim=64, block_size=16,
+                                                   dtype=torch.bfloat16)
+    else:
+        args, (keys, values, queries) = make_kv_batch(specs, cache_dtype=cache_dtype, static=False, num_kv_heads=3,
+                                                      group=3, head_dim=64, block_size=16)
+        args["query"] = args["query"].to(torch.bfloat16)
+        queries = [q.to(torch.bfloat16) for q in queries]
+    scale = 64**-0.5
+    ref = reference.paged_attention(**args, scale=scale)
+    _without_the_reference_path(monkeypatch)
+    out = cpu.paged_attention(**args, scale=scale)
+    assert out.dtype == torch.bfloat16
+    expected = torch.cat([dense_attention(q, k, v, c, scale, None)
+                          for (c, _), q, k, v in zip(specs, queries, keys, values)])
+    torch.testing.assert_close(out.double(), expected, **TOLERANCES[torch.bfloat16])
+    torch.testing.assert_close(out, ref, atol=8e-3, rtol=8e-3)
 
 
 def test_the_kernel_rejects_what_it_cannot_read():

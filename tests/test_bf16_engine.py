@@ -1,0 +1,65 @@
+"""The engine in bf16, the dtype "auto" picks on GPUs and on AMX / AVX512-BF16 CPUs.
+
+bf16 rounds differently from transformers' fp32 (and from its own bf16, op order differs), so
+greedy ids cannot be compared exactly. The oracle is transformers, teacher-forced on the engine's
+own output: at every position the token the engine chose must be the fp32 model's argmax or
+within bf16 noise of it, measured as how far transformers' own bf16 logits stray from its fp32
+logits there (a faithful bf16 model can pick a token up to twice that below the max). Most
+tokens must be the fp32 argmax itself.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+import torch
+
+from oracle import hf_model
+from test_engine_vs_transformers import assert_all_free, make_engine, random_prompts
+from pagedserve.core.sampling_params import SamplingParams
+
+MAX_TOKENS = 24
+
+
+@lru_cache(maxsize=2)
+def hf_bf16_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+
+
+def logits_at_choices(model, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """[len(generated), vocab] in fp32: the model's logits at each position where the engine chose."""
+    ids = torch.tensor([prompt + generated])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    return logits[len(prompt) - 1 : len(prompt) - 1 + len(generated)]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_bf16_greedy_follows_the_fp32_model(tiny_model_dir, family, backend):
+    path = tiny_model_dir(family)
+    # budget 40 cuts prompts mid-block, so steps mix prefill chunks with decode rows
+    engine = make_engine(path, dtype="bfloat16", attention_backend=backend, block_size=16,
+                         max_num_batched_tokens=40)
+    assert engine.dtype == torch.bfloat16
+    prompts = random_prompts(8, 3, 70, seed=21)
+    results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    exact = total = 0
+    for prompt, res in zip(prompts, results):
+        generated = list(res.token_ids)
+        assert len(generated) == MAX_TOKENS
+        logits = logits_at_choices(hf_model(path), prompt, generated)
+        bf16_noise = (logits_at_choices(hf_bf16_model(path), prompt, generated) - logits).abs().max(-1).values
+        best = logits.max(-1).values
+        chosen = logits.gather(1, torch.tensor(generated)[:, None])[:, 0]
+        worst = int((best - chosen - 2 * bf16_noise).argmax())
+        assert best[worst] - chosen[worst] <= 2 * bf16_noise[worst], (
+            f"prompt of {len(prompt)}, token {worst}: {best[worst] - chosen[worst]:.4f} below the fp32 argmax, "
+            f"bf16 noise there {bf16_noise[worst]:.4f}")
+        exact += int((chosen == best).sum())
+        total += len(generated)
+    assert exact >= 0.9 * total, f"only {exact}/{total} tokens are the fp32 argmax"
+    assert_all_free(engine)
