@@ -107,6 +107,19 @@ __attribute__((always_inline)) inline const float* load_row(const Source& s, int
   }
 }
 
+// Software prefetch this many positions ahead. A work item reads one KV head's part of each slot
+// (SmolLM2: 256 of every 768 bytes) from blocks scattered over the pool, which the hardware
+// prefetcher follows poorly: measured 1.4-1.7x faster on fp32 caches at 64 sequences of 16-768
+// tokens (int8 ~1.1x); 8 and 16 positions tie, 4 and 32 are slower.
+constexpr int64_t kPrefetchAhead = 8;
+
+template <int64_t Kind>
+__attribute__((always_inline)) inline void prefetch_row(const Source& s, int64_t slot, const Geometry& g) {
+  constexpr int64_t elem = Kind == kFloat32 ? 4 : Kind == kBFloat16 ? 2 : 1;
+  const char* p = static_cast<const char*>(s.data) + slot * g.row_stride * elem;
+  for (int64_t b = 0; b < g.head_dim * elem; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
 // Attention of `group` query rows (q: group x head_dim, contiguous) over cache positions
 // [first, last) of one sequence and one KV head.
 template <int64_t Kind>
@@ -123,6 +136,9 @@ __attribute__((always_inline)) inline void attend(const float* q, const Source& 
     // kTile positions at a time, one 8-wide accumulator each: independent FMA chains instead of
     // one dependent chain per dot product (measured 12-20% faster than the plain simd loop).
     for (; i + kTile <= n; i += kTile) {
+      for (int64_t t = 0; t < kTile; ++t) {
+        if (i + kPrefetchAhead + t < n) prefetch_row<Kind>(k, slot(first + i + kPrefetchAhead + t), g);
+      }
       const float* kr[kTile];
       for (int64_t t = 0; t < kTile; ++t) kr[t] = load_row<Kind>(k, slot(first + i + t), g, tmp + t * D);
       for (int64_t h = 0; h < g.group; ++h) {
@@ -160,6 +176,7 @@ __attribute__((always_inline)) inline void attend(const float* q, const Source& 
     std::fill(out + h * D, out + (h + 1) * D, 0.f);
   }
   for (int64_t i = 0; i < n; ++i) {
+    if (i + kPrefetchAhead < n) prefetch_row<Kind>(v, slot(first + i + kPrefetchAhead), g);
     const float* vr = load_row<Kind>(v, slot(first + i), g, tmp);
     for (int64_t h = 0; h < g.group; ++h) {
       const float p = scores[h * n + i];
