@@ -211,6 +211,7 @@ def model(monkeypatch, tmp_path, tiny_model_dir):
         yield instance
     finally:
         instance.finalize()
+        assert instance._watcher.done() and instance._watcher.exception() is None  # stopped, not destroyed
         sys.modules.pop(name, None)  # the module holds the fake: never leave it importable
         if hasattr(package, "model"):
             delattr(package, "model")

@@ -85,7 +85,8 @@ class TritonPythonModel:
         self.loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self.loop.run_forever, name="pagedserve-loop", daemon=True)
         self._loop_thread.start()
-        asyncio.run_coroutine_threadsafe(self._watch_cancellations(), self.loop)
+        self._closing = threading.Event()
+        self._watcher = asyncio.run_coroutine_threadsafe(self._watch_cancellations(), self.loop)
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.metrics = TritonEngineMetrics(pb_utils, lambda: self.engine.metrics, labels)
         logger.info("pagedserve: model %s (%s contract) ready", args["model_name"], self.contract)
@@ -149,7 +150,7 @@ class TritonPythonModel:
 
     async def _watch_cancellations(self) -> None:
         """Abort requests whose client went away while they produced no delta (queued, prefilling)."""
-        while True:
+        while not self._closing.is_set():
             await asyncio.sleep(CANCEL_POLL_S)
             for request_id, live in list(self._live.items()):
                 try:
@@ -184,5 +185,12 @@ class TritonPythonModel:
         while self._live and time.monotonic() < deadline:
             time.sleep(0.05)
         self.metrics.stop()
+        # Let the watcher return before the loop stops: a task left pending is destroyed with the
+        # loop, and asyncio logs "Task was destroyed but it is pending!" on every unload.
+        self._closing.set()
+        try:
+            self._watcher.result(timeout=CANCEL_POLL_S + 5)
+        except Exception:  # noqa: BLE001 - shutting down either way
+            logger.warning("pagedserve: the cancellation watcher did not stop cleanly", exc_info=True)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._loop_thread.join(timeout=5)
