@@ -270,15 +270,17 @@ def test_metrics_follow_one_request(server, oracle):
     n_prompt = len(oracle.tokenize(prompt))
     grpc_request(server.grpc_url, "pagedserve", text_inputs(prompt, False, {"max_tokens": 9, **GREEDY}))
     key = "pagedserve:e2e_request_latency_seconds_count"
-    after = wait_for(lambda: (s := scrape(server.metrics_url))[key] == before[key] + 1 and s, timeout=10)
-    assert after, "e2e histogram did not count the request"
+    success = "pagedserve:request_success_total{finished_reason=length}"
+    # The exporter updates one metric after another, so a scrape can fall between two of them.
+    after = wait_for(lambda: ((s := scrape(server.metrics_url))[key] == before[key] + 1
+                              and s.get(success, 0.0) == before.get(success, 0.0) + 1 and s), timeout=10)
+    assert after, "the e2e histogram and the success counter did not both count the request"
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     assert delta["pagedserve:time_to_first_token_seconds_count"] == 1
     assert delta["pagedserve:inter_token_latency_seconds_count"] == 8
     assert delta["pagedserve:generation_tokens_total"] == 9
     assert delta["pagedserve:prompt_tokens_total"] == n_prompt
     assert delta["pagedserve:prefix_cache_queries_total"] >= n_prompt - 1
-    assert delta["pagedserve:request_success_total{finished_reason=length}"] == 1
     assert after['pagedserve:e2e_request_latency_seconds_bucket{le=+Inf}'] == after[key]
     assert delta["pagedserve:e2e_request_latency_seconds_sum"] > 0
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
