@@ -9,10 +9,10 @@ import torch
 
 
 @lru_cache(maxsize=8)
-def hf_model(path: Path):
+def hf_model(path: Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     # Ignore EOS by having none: min_new_tokens would instead mask EOS logits, which changes the
     # argmax whenever EOS is the most likely token.
     model.generation_config.eos_token_id = None

@@ -10,8 +10,6 @@ tokens must be the fp32 argmax itself.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import pytest
 import torch
 
@@ -20,13 +18,6 @@ from test_engine_vs_transformers import assert_all_free, make_engine, random_pro
 from pagedserve.core.sampling_params import SamplingParams
 
 MAX_TOKENS = 24
-
-
-@lru_cache(maxsize=2)
-def hf_bf16_model(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
 
 
 def logits_at_choices(model, prompt: list[int], generated: list[int]) -> torch.Tensor:
@@ -52,7 +43,8 @@ def test_bf16_greedy_follows_the_fp32_model(tiny_model_dir, family, backend):
         generated = list(res.token_ids)
         assert len(generated) == MAX_TOKENS
         logits = logits_at_choices(hf_model(path), prompt, generated)
-        bf16_noise = (logits_at_choices(hf_bf16_model(path), prompt, generated) - logits).abs().max(-1).values
+        bf16_logits = logits_at_choices(hf_model(path, torch.bfloat16), prompt, generated)
+        bf16_noise = (bf16_logits - logits).abs().max(-1).values
         best = logits.max(-1).values
         chosen = logits.gather(1, torch.tensor(generated)[:, None])[:, 0]
         worst = int((best - chosen - 2 * bf16_noise).argmax())
