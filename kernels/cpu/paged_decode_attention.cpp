@@ -1,10 +1,10 @@
 // Paged decode attention on CPU: one query row per sequence, fp32 queries and arithmetic (the
 // Python wrapper widens bf16 queries and rounds the result back), K/V read in place through the
-// block table. The pure-torch reference (kernels/reference/attention.py)
-// gathers every key of every decode row into a fresh buffer before SDPA; reading the cache in
-// place skips that copy. At large batches decode attention is bound by memory bandwidth, so the
-// cache is read in its stored format (fp32, bf16, int8 or fp8 codes with per-slot bf16 or static
-// fp32 scales) and widened to fp32 one row at a time in L1, never as a whole.
+// block table. The pure-torch reference (kernels/reference/attention.py) gathers every key of
+// every decode row into a fresh buffer before SDPA; reading the cache in place skips that copy.
+// Decode attention is bound by memory traffic (its latency more than its bandwidth: see
+// kPrefetchAhead), so the cache is read in its stored format (fp32, bf16, int8 or fp8 codes with
+// per-slot bf16 or static fp32 scales) and widened to fp32 one row at a time in L1, never whole.
 //
 // Work item = (decode sequence, KV head): the group's query heads (GQA) share one pass over the
 // keys, so each K/V row is loaded once per item. Scores are kept for the whole context (at most
@@ -201,10 +201,6 @@ PAGEDSERVE_ATTEND_ENTRY(attend_fp8, kFp8)
 
 using AttendFn = void (*)(const float*, const Source&, const Source&, const int32_t*, int64_t, int64_t,
                           const Geometry&, float, float*, float*, float*);
-
-}  // namespace
-
-namespace {
 
 int64_t cache_kind(const torch::Tensor& cache, const torch::Tensor& lut) {
   switch (cache.scalar_type()) {
