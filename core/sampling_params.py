@@ -38,7 +38,7 @@ MAX_N = 128
 
 def _check_float(field: str, value: float, low: float, high: float, **kwargs: Any) -> None:
     if not math.isfinite(value):  # NaN passes every comparison in check_range
-        raise InvalidRequest(f"{field}={value!r} is not a finite number")
+        raise InvalidRequest(f"{field}={value!r} is not a finite number", param=field)
     check_range(InvalidRequest, field, value, low, high, **kwargs)
 
 
@@ -87,12 +87,12 @@ class SamplingParams:
         check_range(InvalidRequest, "min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequest(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}; "
-                                 "lower min_tokens or raise max_tokens")
+                                 "lower min_tokens or raise max_tokens", param="min_tokens")
         if len(stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"stop has {len(stop)} strings; allowed at most {MAX_STOP_STRINGS}")
+            raise InvalidRequest(f"stop has {len(stop)} strings; allowed at most {MAX_STOP_STRINGS}", param="stop")
         for i, s in enumerate(stop):
             if not s:
-                raise InvalidRequest(f"stop[{i}]={s!r}: stop strings must be non-empty")
+                raise InvalidRequest(f"stop[{i}]={s!r}: stop strings must be non-empty", param=f"stop[{i}]")
         for i, tok in enumerate(self.stop_token_ids):
             check_range(InvalidRequest, f"stop_token_ids[{i}]", tok, 0)
         check_range(InvalidRequest, "logprobs", self.logprobs, 0, MAX_LOGPROBS)

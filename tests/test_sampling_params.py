@@ -112,6 +112,7 @@ def test_bad_inputs_name_the_field(data, field, needle):
         SamplingParams.from_dict(data)
     msg = str(exc.value)
     assert field in msg and needle in msg, msg
+    assert exc.value.param == field.split("=")[0]  # adapters report it (OpenAI's error.param)
 
 
 def test_direct_construction_is_validated_too():

@@ -84,7 +84,7 @@ def _coerce_strings(params: dict[str, Any]) -> dict[str, Any]:
             elif key in _BOOL_KEYS:
                 out[key] = parse_bool(value, key)
         except ValueError:
-            raise InvalidRequest(f"sampling parameter {key}={value!r} is not a number") from None
+            raise InvalidRequest(f"sampling parameter {key}={value!r} is not a number", param=key) from None
     if out.get("best_of") not in (None, out.get("n", 1)):
         raise InvalidRequest(f"best_of={out['best_of']!r} is not supported; omit it or set it equal to n")
     out.pop("best_of", None)
