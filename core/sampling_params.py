@@ -18,6 +18,10 @@ Names and meanings follow vLLM / the OpenAI API. Allowed ranges (checked in __po
     stop_token_ids      token ids >= 0
     logprobs            None or [0, 20]   top-N per generated token; the sampled token is always reported
     prompt_logprobs     None or [0, 20]
+
+`from_dict` also takes `best_of` (OpenAI / vLLM: draw best_of samples, return the n best). It is
+accepted only as a no-op, omitted or equal to n: pagedserve returns every sample it draws. One
+rule for every adapter, so Triton and KServe answer the same request the same way.
 """
 
 from __future__ import annotations
@@ -110,7 +114,27 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "SamplingParams":
-        # OpenAI's `stop` is "string, array or null"; the dataclass holds a tuple.
-        if isinstance(data, Mapping) and "stop" in data and (data["stop"] is None or isinstance(data["stop"], str)):
-            data = {**data, "stop": [] if data["stop"] is None else [data["stop"]]}
-        return build_strict(cls, data, InvalidRequest, "sampling parameters")
+        best_of = None
+        if isinstance(data, Mapping):
+            # OpenAI's `stop` is "string, array or null"; the dataclass holds a tuple.
+            if "stop" in data and (data["stop"] is None or isinstance(data["stop"], str)):
+                data = {**data, "stop": [] if data["stop"] is None else [data["stop"]]}
+            if "best_of" in data:
+                data = dict(data)
+                best_of = data.pop("best_of")
+        params = build_strict(cls, data, InvalidRequest, "sampling parameters")
+        _check_best_of(best_of, params.n)
+        return params
+
+
+def _check_best_of(best_of: Any, n: int) -> None:
+    """best_of is a no-op when it equals n (nothing extra drawn, nothing discarded)."""
+    if best_of is None:
+        return
+    if isinstance(best_of, bool) or not isinstance(best_of, int):
+        raise InvalidRequest(f"best_of: expected an integer, got {best_of!r} ({type(best_of).__name__})",
+                             param="best_of")
+    if best_of != n:
+        raise InvalidRequest(f"best_of={best_of} is not supported: pagedserve returns every sample it draws "
+                             f"(best_of must equal n={n}); omit best_of, or ask for n={best_of} samples and "
+                             "pick among them", param="best_of")
