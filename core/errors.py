@@ -6,7 +6,15 @@ Every message names the field, the value and how to fix it.
 
 
 class PagedServeError(Exception):
-    """Base class for every error pagedserve raises on purpose."""
+    """Base class for every error pagedserve raises on purpose.
+
+    `param` names the request field or setting at fault when there is one, so an adapter can
+    report it in its own shape (OpenAI's `error.param`) without parsing the message.
+    """
+
+    def __init__(self, message: str = "", *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ConfigError(PagedServeError, ValueError):

@@ -127,4 +127,5 @@ class OutputProcessor:
             cumulative_logprob=state.cumulative_logprob if wants_logprobs else None,
             prompt_logprobs=prompt_logprobs,
             timing=timing,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )

@@ -54,6 +54,9 @@ class RequestOutput:
     """Per prompt token (None for the first), in the first output of sample 0 only."""
     timing: RequestTiming | None = None
     """Set on the final output."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache when the sample was first scheduled (for
+    samples 2..n: from sample 0's prompt blocks); OpenAI's usage.prompt_tokens_details.cached_tokens."""
 
 
 @dataclass(frozen=True)

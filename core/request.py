@@ -58,6 +58,9 @@ class Request:
     """For samples 2..n of an n > 1 request: the sample that computes the shared prompt."""
     stop_reason: str | int | None = None
     first_scheduled_time: float | None = None
+    num_cached_tokens: int | None = None
+    """Prompt tokens not computed at first admission: prefix-cache hits (for samples 2..n, the
+    leader's prompt blocks). None until admitted; a recompute after preemption leaves it as is."""
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = tuple(self.prompt_token_ids)

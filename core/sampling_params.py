@@ -18,6 +18,10 @@ Names and meanings follow vLLM / the OpenAI API. Allowed ranges (checked in __po
     stop_token_ids      token ids >= 0
     logprobs            None or [0, 20]   top-N per generated token; the sampled token is always reported
     prompt_logprobs     None or [0, 20]
+
+`from_dict` also takes `best_of` (OpenAI / vLLM: draw best_of samples, return the n best). It is
+accepted only as a no-op, omitted or equal to n: pagedserve returns every sample it draws. One
+rule for every adapter, so Triton and KServe answer the same request the same way.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ MAX_N = 128
 
 def _check_float(field: str, value: float, low: float, high: float, **kwargs: Any) -> None:
     if not math.isfinite(value):  # NaN passes every comparison in check_range
-        raise InvalidRequest(f"{field}={value!r} is not a finite number")
+        raise InvalidRequest(f"{field}={value!r} is not a finite number", param=field)
     check_range(InvalidRequest, field, value, low, high, **kwargs)
 
 
@@ -87,12 +91,12 @@ class SamplingParams:
         check_range(InvalidRequest, "min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequest(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}; "
-                                 "lower min_tokens or raise max_tokens")
+                                 "lower min_tokens or raise max_tokens", param="min_tokens")
         if len(stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"stop has {len(stop)} strings; allowed at most {MAX_STOP_STRINGS}")
+            raise InvalidRequest(f"stop has {len(stop)} strings; allowed at most {MAX_STOP_STRINGS}", param="stop")
         for i, s in enumerate(stop):
             if not s:
-                raise InvalidRequest(f"stop[{i}]={s!r}: stop strings must be non-empty")
+                raise InvalidRequest(f"stop[{i}]={s!r}: stop strings must be non-empty", param=f"stop[{i}]")
         for i, tok in enumerate(self.stop_token_ids):
             check_range(InvalidRequest, f"stop_token_ids[{i}]", tok, 0)
         check_range(InvalidRequest, "logprobs", self.logprobs, 0, MAX_LOGPROBS)
@@ -110,7 +114,27 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "SamplingParams":
-        # OpenAI's `stop` is "string, array or null"; the dataclass holds a tuple.
-        if isinstance(data, Mapping) and "stop" in data and (data["stop"] is None or isinstance(data["stop"], str)):
-            data = {**data, "stop": [] if data["stop"] is None else [data["stop"]]}
-        return build_strict(cls, data, InvalidRequest, "sampling parameters")
+        best_of = None
+        if isinstance(data, Mapping):
+            # OpenAI's `stop` is "string, array or null"; the dataclass holds a tuple.
+            if "stop" in data and (data["stop"] is None or isinstance(data["stop"], str)):
+                data = {**data, "stop": [] if data["stop"] is None else [data["stop"]]}
+            if "best_of" in data:
+                data = dict(data)
+                best_of = data.pop("best_of")
+        params = build_strict(cls, data, InvalidRequest, "sampling parameters")
+        _check_best_of(best_of, params.n)
+        return params
+
+
+def _check_best_of(best_of: Any, n: int) -> None:
+    """best_of is a no-op when it equals n (nothing extra drawn, nothing discarded)."""
+    if best_of is None:
+        return
+    if isinstance(best_of, bool) or not isinstance(best_of, int):
+        raise InvalidRequest(f"best_of: expected an integer, got {best_of!r} ({type(best_of).__name__})",
+                             param="best_of")
+    if best_of != n:
+        raise InvalidRequest(f"best_of={best_of} is not supported: pagedserve returns every sample it draws "
+                             f"(best_of must equal n={n}); omit best_of, or ask for n={best_of} samples and "
+                             "pick among them", param="best_of")

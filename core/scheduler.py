@@ -153,6 +153,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = num_hit_tokens
             self.running.append(request)
             num_new[request.request_id] = n
             budget -= n

@@ -12,6 +12,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from pagedserve.core.errors import PagedServeError
+
 T = TypeVar("T")
 
 
@@ -19,7 +21,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce(field: str, value: Any, tp: Any, error_cls: type[Exception]) -> Any:
+def _coerce(field: str, value: Any, tp: Any, error_cls: type[PagedServeError]) -> Any:
     """Return `value` as type `tp`, or raise error_cls naming the field. Only lossless coercions."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -38,32 +40,32 @@ def _coerce(field: str, value: Any, tp: Any, error_cls: type[Exception]) -> Any:
     if origin in (tuple, list):
         (item_tp, *_rest) = typing.get_args(tp) or (Any,)
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            raise error_cls(f"{field}: expected a list, got {value!r} ({type(value).__name__})")
+            raise error_cls(f"{field}: expected a list, got {value!r} ({type(value).__name__})", param=field)
         return tuple(_coerce(f"{field}[{i}]", v, item_tp, error_cls) for i, v in enumerate(value))
     if tp is Any:
         return value
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise error_cls(f"{field}: expected true or false, got {value!r} ({type(value).__name__})")
+        raise error_cls(f"{field}: expected true or false, got {value!r} ({type(value).__name__})", param=field)
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        raise error_cls(f"{field}: expected an integer, got {value!r} ({type(value).__name__})")
+        raise error_cls(f"{field}: expected an integer, got {value!r} ({type(value).__name__})", param=field)
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        raise error_cls(f"{field}: expected a number, got {value!r} ({type(value).__name__})")
+        raise error_cls(f"{field}: expected a number, got {value!r} ({type(value).__name__})", param=field)
     if tp is str:
         if isinstance(value, str):
             return value
-        raise error_cls(f"{field}: expected a string, got {value!r} ({type(value).__name__})")
+        raise error_cls(f"{field}: expected a string, got {value!r} ({type(value).__name__})", param=field)
     raise TypeError(f"no coercion for {field}: {_type_name(tp)}")  # a bug in the dataclass, not input
 
 
-def build_strict(cls: type[T], data: Mapping[str, Any], error_cls: type[Exception], what: str) -> T:
+def build_strict(cls: type[T], data: Mapping[str, Any], error_cls: type[PagedServeError], what: str) -> T:
     """Construct dataclass `cls` from `data`, rejecting unknown keys and wrong types."""
     if not isinstance(data, Mapping):
         raise error_cls(f"{what}: expected an object/dict, got {type(data).__name__}")
@@ -71,7 +73,8 @@ def build_strict(cls: type[T], data: Mapping[str, Any], error_cls: type[Exceptio
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise error_cls(
-            f"{what}: unknown key(s) {', '.join(map(repr, unknown))}; known keys: {', '.join(sorted(fields))}"
+            f"{what}: unknown key(s) {', '.join(map(repr, unknown))}; known keys: {', '.join(sorted(fields))}",
+            param=unknown[0],
         )
     hints = typing.get_type_hints(cls)
     kwargs = {name: _coerce(name, value, hints[name], error_cls) for name, value in data.items()}
@@ -79,7 +82,7 @@ def build_strict(cls: type[T], data: Mapping[str, Any], error_cls: type[Exceptio
 
 
 def check_range(
-    error_cls: type[Exception],
+    error_cls: type[PagedServeError],
     field: str,
     value: float | int | None,
     low: float | None = None,
@@ -97,4 +100,5 @@ def check_range(
         lo = "-inf" if low is None else low
         hi = "inf" if high is None else high
         rng = f"{'(' if low_open else '['}{lo}, {hi}]"
-        raise error_cls(f"{field}={value!r} is out of range: allowed {rng}{'; ' + hint if hint else ''}")
+        raise error_cls(f"{field}={value!r} is out of range: allowed {rng}{'; ' + hint if hint else ''}",
+                        param=field)

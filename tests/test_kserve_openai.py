@@ -246,7 +246,8 @@ TOO_LONG = "a b " * 700  # > 1024 tokens: the tiny model's max_model_len
     ("chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400, "content"),
     ("chat/completions", {"model": MODEL, "messages": MESSAGES, "top_logprobs": 2}, 400, "logprobs"),
-    ("chat/completions", {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": 0}, 400, "max_tokens"),
+    ("chat/completions", {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens=0"),
 ])
 def test_bad_input_is_an_openai_error_and_the_server_keeps_serving(server, client, route, body, status, needle):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()

@@ -63,7 +63,7 @@ def test_chat_token_limits_and_logprobs():
 @pytest.mark.parametrize("body,param,needle", [
     ({"model": "m", "prompt": "x", "max_tokens": "3"}, "max_tokens", "valid integer"),
     ({"model": "m", "prompt": "x", "n": True}, "n", "valid integer"),
-    ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix", "unknown or unsupported field"),
+    ({"model": "m", "prompt": "x", "guided_json": {}}, "guided_json", "unknown or unsupported field"),
     ({"prompt": "x"}, "model", "required field is missing"),
     ({"model": "m", "prompt": 5}, "prompt", "prompt"),
 ])
@@ -71,6 +71,23 @@ def test_wrong_types_and_unknown_fields_name_the_field(body, param, needle):
     with pytest.raises(OpenAIError) as err:
         parse(CompletionRequest, body)
     assert err.value.status == 400 and err.value.param == param and needle in err.value.message
+
+
+@pytest.mark.parametrize("fields", [{"best_of": 3}, {"best_of": 1, "n": 2}])
+def test_best_of_is_one_rule_for_both_adapters(fields):
+    """The Triton codec and the KServe routes hand best_of to SamplingParams.from_dict, so the same
+    value gets the same answer (and the same message) on both platforms."""
+    from pagedserve.adapters.triton_server.codec import sampling_params_from
+
+    with pytest.raises(InvalidRequest) as triton:
+        sampling_params_from(fields)
+    with pytest.raises(InvalidRequest) as kserve:
+        parse(CompletionRequest, {"model": "m", "prompt": "x", **fields}).sampling_params()
+    assert triton.value.param == kserve.value.param == "best_of"
+    assert str(triton.value) == str(kserve.value)
+    for n in (1, 2):  # equal to n: nothing extra drawn, accepted by both
+        assert sampling_params_from({"best_of": n, "n": n}).n == n
+        assert parse(CompletionRequest, {"model": "m", "prompt": "x", "best_of": n, "n": n}).sampling_params().n == n
 
 
 def test_malformed_json_and_out_of_range_values():
@@ -108,22 +125,26 @@ class _Tok:
         return "".join(f"<{i}>" for i in ids)
 
 
-def _out(rid, index, ids, text, finished, n_out, n_prompt=3):
+def _out(rid, index, ids, text, finished, n_out, n_prompt=3, cached=0):
     return RequestOutput(rid, index, tuple(ids), text, finished, "length" if finished else None, None,
-                         n_prompt, n_out, (1, 2, 3))
+                         n_prompt, n_out, (1, 2, 3), num_cached_tokens=cached)
 
 
 def test_renderer_indexes_choices_and_counts_usage_once_per_prompt():
     r = CompletionRenderer("cmpl-1", "m", _Tok(), n=2, want_logprobs=False, echo=True, prompts=["P0", [1, 2, 3]])
-    chunks = [r.chunk(0, _out("a", 1, [5], "x", False, 1)), r.chunk(1, _out("b", 0, [6], "y", True, 1)),
-              r.chunk(0, _out("a", 1, [7], "z", True, 2)), r.chunk(0, _out("a", 0, [8], "w", True, 1)),
-              r.chunk(1, _out("b", 1, [9], "v", True, 1))]
+    # cached prompt tokens count once per prompt, as sample 0 reports them (samples 2..n reuse its blocks)
+    chunks = [r.chunk(0, _out("a", 1, [5], "x", False, 1, cached=2)),
+              r.chunk(1, _out("b", 0, [6], "y", True, 1, cached=1)),
+              r.chunk(0, _out("a", 1, [7], "z", True, 2, cached=2)),
+              r.chunk(0, _out("a", 0, [8], "w", True, 1, cached=2)),
+              r.chunk(1, _out("b", 1, [9], "v", True, 1, cached=2))]
     assert [c["choices"][0]["index"] for c in chunks] == [1, 2, 1, 0, 3]
     assert chunks[0]["choices"][0]["text"] == "P0x"  # echo once, on a choice's first delta
     assert chunks[1]["choices"][0]["text"] == "<1><2><3>y"  # token-id prompts are decoded for echo
     body = r.body()
     assert [c["text"] for c in body["choices"]] == ["P0w", "P0xz", "<1><2><3>y", "<1><2><3>v"]
-    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 5, "total_tokens": 11}
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 5, "total_tokens": 11,
+                             "prompt_tokens_details": {"cached_tokens": 3}}
     assert r.usage_chunk()["choices"] == [] and r.usage_chunk()["usage"] == body["usage"]
 
 

@@ -144,3 +144,55 @@ def test_bad_prompts_are_rejected(tiny_model_dir):
     for prompt, needle in [([], "empty"), ([1, -3], "item 1"), ([1, 2.5], "item 1"), (b"bytes", "string or a list")]:
         with pytest.raises(InvalidRequest, match=needle):
             engine.add_request(None, prompt, SamplingParams())
+
+
+def run_all(engine: LLMEngine) -> dict[tuple[str, int], list]:
+    outs: dict[tuple[str, int], list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs.setdefault((out.request_id, out.index), []).append(out)
+    return outs
+
+
+def cached_counts(outs: dict[tuple[str, int], list], request_id: str) -> set[int]:
+    """The num_cached_tokens every output of the request reported (one value, or the test fails)."""
+    return {o.num_cached_tokens for (rid, _), seq in outs.items() if rid == request_id for o in seq}
+
+
+def test_each_output_reports_the_prompt_tokens_served_from_the_prefix_cache(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    engine = make_engine(path, block_size=16, num_kv_blocks=64)
+    p = rand_prompt(40, seed=20)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    cases = [  # (prompt, params, expected cached tokens), run one after the other
+        (p, greedy, 0),                                     # nothing cached yet
+        (p, greedy, 32),                                    # (40 - 1) // 16 full blocks: the last token runs
+        (p[:35] + rand_prompt(9, seed=21), greedy, 32),     # diverges inside the third block
+        (p[:10], greedy, 0),                                # shorter than one block
+        (p, SamplingParams(max_tokens=2, prompt_logprobs=1), 0),  # scoring runs every prompt position
+    ]
+    for i, (prompt, params, want) in enumerate(cases):
+        engine.add_request(f"r{i}", prompt, params)
+        assert cached_counts(run_all(engine), f"r{i}") == {want}, i
+    # n = 3: the counts of sample 0 (the one the prompt is charged to) follow the same rule
+    engine.add_request("multi", p, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=3))
+    outs = run_all(engine)
+    assert {o.num_cached_tokens for o in outs[("multi", 0)]} == {32}
+    off = make_engine(path, block_size=16, num_kv_blocks=64, enable_prefix_caching=False)
+    for i in range(2):
+        off.add_request(f"off{i}", p, greedy)
+        assert cached_counts(run_all(off), f"off{i}") == {0}
+
+
+def test_cached_tokens_are_counted_at_arrival_not_again_after_preemption(tiny_model_dir):
+    """b is preempted and recomputed from its own cached prompt blocks: that recompute is the
+    engine's business; the client's prompt was not cached when it arrived, so b reports 0."""
+    path = tiny_model_dir("llama")
+    engine = make_engine(path, block_size=4, num_kv_blocks=7, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine.add_request("a", rand_prompt(9, seed=22), params)
+    engine.add_request("b", rand_prompt(9, seed=23), params)
+    outs = run_all(engine)
+    assert engine.stats.num_preemptions_total >= 1
+    assert engine.stats.prefix_cache_hits_total > 0, "the recompute must have hit the cache"
+    assert cached_counts(outs, "a") == cached_counts(outs, "b") == {0}

@@ -103,6 +103,10 @@ BAD = [
     ({"logprobs": 21}, "logprobs=21", "allowed [0, 20]"),
     ({"logprobs": -1}, "logprobs=-1", "allowed [0, 20]"),
     ({"prompt_logprobs": 21}, "prompt_logprobs=21", "allowed [0, 20]"),
+    # best_of: accepted only equal to n (the rule every adapter shares)
+    ({"best_of": 2}, "best_of=2", "best_of must equal n=1"),
+    ({"best_of": 2, "n": 3}, "best_of=2", "best_of must equal n=3"),
+    ({"best_of": True}, "best_of", "expected an integer"),
 ]
 
 
@@ -112,6 +116,13 @@ def test_bad_inputs_name_the_field(data, field, needle):
         SamplingParams.from_dict(data)
     msg = str(exc.value)
     assert field in msg and needle in msg, msg
+    assert exc.value.param == field.split("=")[0]  # adapters report it (OpenAI's error.param)
+
+
+def test_best_of_equal_to_n_is_accepted_and_dropped():
+    assert SamplingParams.from_dict({"best_of": 1}) == SamplingParams()
+    assert SamplingParams.from_dict({"best_of": 4, "n": 4}) == SamplingParams(n=4)
+    assert SamplingParams.from_dict({"best_of": None, "n": 2}).n == 2
 
 
 def test_direct_construction_is_validated_too():

@@ -31,9 +31,9 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, RequestTooLong):
-        return OpenAIError(400, str(exc), code="context_length_exceeded")
+        return OpenAIError(400, str(exc), param=exc.param, code="context_length_exceeded")
     if isinstance(exc, InvalidRequest):  # also DuplicateRequest
-        return OpenAIError(400, str(exc))
+        return OpenAIError(400, str(exc), param=exc.param)
     if isinstance(exc, EngineDead):  # the engine serves nothing more: tell load balancers to go elsewhere
         return OpenAIError(503, str(exc), type="service_unavailable_error", code="engine_dead")
     if isinstance(exc, PagedServeError):

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pagedserve.adapters.kserve.errors import (OpenAIError, error_body, model_not_found, not_ready,
                                                to_openai_error)
 from pagedserve.adapters.kserve.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from pagedserve.adapters.kserve.responses import ChatRenderer, CompletionRenderer, _Renderer
+from pagedserve.adapters.kserve.responses import ChatRenderer, CompletionRenderer, StreamUsage, _Renderer
 from pagedserve.core.async_engine import AsyncLLMEngine
 from pagedserve.core.errors import PagedServeError
 from pagedserve.core.outputs import RequestOutput
@@ -120,10 +120,20 @@ class OpenAIServing:
         app.add_api_route("/openai/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/openai/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/openai/v1/models", self.models, methods=["GET"])
+        # :path, as model ids may hold slashes ("org/name"): the SDK puts them in the URL as they are
+        app.add_api_route("/openai/v1/models/{model_id:path}", self.model, methods=["GET"])
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve"}
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve"}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, model_id: str) -> Response:
+        """OpenAI's models.retrieve: the served model, or a 404 in OpenAI's error shape."""
+        if model_id != self.model_name:
+            return error_response(model_not_found(model_id, self.model_name))
+        return JSONResponse(self._model_card())
 
     def _engine(self) -> AsyncLLMEngine:
         engine = self._get_engine()
@@ -146,24 +156,24 @@ class OpenAIServing:
             return error_response(exc)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         renderer = CompletionRenderer(request_id, self.model_name, engine.engine.tokenizer, params.n,
-                                      params.logprobs is not None, req.echo, prompts)
-        return await self._respond(request, engine, prompts, params, renderer, req.stream, req.include_usage)
+                                      params.logprobs is not None, bool(req.echo), prompts, req.echo_only)
+        return await self._respond(request, engine, prompts, params, renderer, bool(req.stream), req.stream_usage)
 
     async def chat_completions(self, request: Request) -> Response:
         try:
             req, engine = await self._accept(ChatCompletionRequest, request)
             params = req.sampling_params()
             prompt = engine.engine.apply_chat_template([m.as_template_input() for m in req.messages],
-                                                       add_generation_prompt=req.add_generation_prompt)
+                                                       add_generation_prompt=req.add_generation_prompt is not False)
         except (OpenAIError, PagedServeError) as exc:
             return error_response(exc)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         renderer = ChatRenderer(request_id, self.model_name, engine.engine.tokenizer, params.n,
                                 params.logprobs is not None)
-        return await self._respond(request, engine, [prompt], params, renderer, req.stream, req.include_usage)
+        return await self._respond(request, engine, [prompt], params, renderer, bool(req.stream), req.stream_usage)
 
     async def _respond(self, request: Request, engine: AsyncLLMEngine, prompts: Sequence[str | list[int]],
-                       params: SamplingParams, renderer: _Renderer, stream: bool, include_usage: bool) -> Response:
+                       params: SamplingParams, renderer: _Renderer, stream: bool, usage: StreamUsage) -> Response:
         outputs = generate_all(engine, renderer.request_id, prompts, params)
         try:
             if not stream:
@@ -177,17 +187,17 @@ class OpenAIServing:
         except Exception as exc:  # noqa: BLE001 - every request ends with one answer
             await outputs.aclose()
             return error_response(exc)
-        return StreamingResponse(self._sse(first, outputs, renderer, include_usage),
+        return StreamingResponse(self._sse(first, outputs, renderer, usage),
                                  media_type="text/event-stream")
 
     @staticmethod
     async def _sse(first: Output, outputs: AsyncIterator[Output], renderer: _Renderer,
-                   include_usage: bool) -> AsyncIterator[str]:
+                   usage: StreamUsage) -> AsyncIterator[str]:
         try:
-            yield _event(renderer.chunk(*first))
+            yield _event(renderer.stream_chunk(*first, usage))
             async for i, out in outputs:
-                yield _event(renderer.chunk(i, out))
-            if include_usage:
+                yield _event(renderer.stream_chunk(i, out, usage))
+            if usage is not StreamUsage.OFF:
                 yield _event(renderer.usage_chunk())
         except Exception as exc:  # noqa: BLE001 - the status is already sent: report it in the stream
             yield _event(error_body(to_openai_error(exc)))

@@ -3,6 +3,12 @@
 Strict: a field of the wrong JSON type is an error (no "10" -> 10), and unknown fields are errors
 naming the field, so a client learns at once that we ignored nothing it asked for. Ranges are not
 checked here: SamplingParams.from_dict checks them, with the same messages every adapter gives.
+Fields the OpenAI spec marks nullable take an explicit null as "the default".
+
+Some OpenAI fields ask for behaviour pagedserve does not have (tools, structured output, stored
+completions). Clients often send them at their default or no-op value (`tools: []`,
+`response_format: {"type": "text"}`, `store: false`): those are accepted and change nothing;
+any other value is a 400 naming the field (`_refuse`), never silently ignored.
 """
 
 from __future__ import annotations
@@ -13,7 +19,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pagedserve.adapters.kserve.errors import OpenAIError
-from pagedserve.core.sampling_params import SamplingParams
+from pagedserve.adapters.kserve.responses import StreamUsage
+from pagedserve.core.errors import InvalidRequest
+from pagedserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedserve.core.validation import check_range
 
 # Request fields that go to SamplingParams under the same name (OpenAI's and vLLM's extras).
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -25,8 +34,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
+def _refuse(field: str, message: str) -> OpenAIError:
+    return OpenAIError(400, message, param=field, code="unsupported_value")
+
+
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+    """vLLM's extra: with include_usage, every chunk also carries the usage so far."""
+
+
+class ResponseFormat(_Strict):
+    type: str
+    json_schema: dict[str, Any] | None = None
 
 
 class _GenerateRequest(_Strict):
@@ -37,11 +57,16 @@ class _GenerateRequest(_Strict):
     max_tokens: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None  # accepted for compatibility; pagedserve does not use it
+    # accepted only at a value that changes nothing (see the module docstring)
+    response_format: ResponseFormat | None = None
+    logit_bias: dict[str, float] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None
@@ -53,15 +78,32 @@ class _GenerateRequest(_Strict):
     skip_special_tokens: bool | None = None
 
     @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+    def stream_usage(self) -> StreamUsage:
+        """What usage a stream carries (OpenAI's include_usage, vLLM's continuous_usage_stats)."""
+        opts = self.stream_options
+        if opts is None or not opts.include_usage:
+            return StreamUsage.OFF
+        return StreamUsage.EVERY_CHUNK if opts.continuous_usage_stats else StreamUsage.FINAL
+
+    def check_supported(self) -> None:
+        """Raise a 400 naming the first field whose value asks for behaviour pagedserve lacks."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            raise _refuse("response_format", f"response_format type {fmt.type!r} is not supported (no structured "
+                                             'output); omit response_format or send {"type": "text"}')
+        if self.logit_bias:
+            raise _refuse("logit_bias", "logit_bias is not supported; omit it or send {}")
+        if self.store:
+            raise _refuse("store", "store=true is not supported: pagedserve stores no completions; omit it or "
+                                   "send false")
+        if self.metadata:
+            raise _refuse("metadata", "metadata tags stored completions, and pagedserve stores none; omit it "
+                                      "or send null")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+                         prompt_logprobs: int | None = None, **extra: Any) -> SamplingParams:
         data: dict[str, Any] = {k: v for k in _SAMPLING_FIELDS if (v := getattr(self, k)) is not None}
-        data["max_tokens"] = max_tokens
-        data["logprobs"] = logprobs
-        data["prompt_logprobs"] = prompt_logprobs
+        data.update(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **extra)
         return SamplingParams.from_dict(data)
 
 
@@ -69,7 +111,15 @@ class CompletionRequest(_GenerateRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     """Top-N logprobs per token (OpenAI: an integer, 0 = only the sampled token)."""
-    echo: bool = False
+    echo: bool | None = None
+    best_of: int | None = None
+    """Only equal to n (SamplingParams.from_dict holds the rule every adapter shares)."""
+    suffix: str | None = None
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens=0: return the prompt (and its logprobs) and generate nothing."""
+        return bool(self.echo) and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a batch is a list of strings or a list of token-id lists."""
@@ -81,10 +131,25 @@ class CompletionRequest(_GenerateRequest):
         return list(p)
 
     def sampling_params(self) -> SamplingParams:
+        self.check_supported()
+        if self.suffix:
+            raise _refuse("suffix", "suffix (insertion) is not supported; omit it or send null")
         # OpenAI's default for completions is 16 tokens; echo with logprobs also scores the prompt.
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        if self.echo_only:
+            # Prompt scoring, as OpenAI's legacy completions and vLLM do it: the engine runs the
+            # prompt and samples one token (free: it comes from the last prompt position's logits),
+            # which CompletionRenderer drops.
+            if self.min_tokens:
+                raise InvalidRequest(f"min_tokens={self.min_tokens} exceeds max_tokens=0; omit min_tokens",
+                                     param="min_tokens")
+            max_tokens = 1
+        elif max_tokens == 0:
+            raise InvalidRequest("max_tokens=0 generates nothing: it is allowed only with echo=true (which "
+                                 "returns the prompt, and its logprobs to score it); ask for at least one token",
+                                 param="max_tokens")
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, best_of=self.best_of)
 
 
 class TextPart(_Strict):
@@ -104,17 +169,35 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_GenerateRequest):
     messages: list[ChatMessage]
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
-    add_generation_prompt: bool = True  # vLLM extra
+    add_generation_prompt: bool | None = None  # vLLM extra; None means true
+    # accepted only at a value that changes nothing (see the module docstring)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    """Either value is a no-op: no tools can be given, so none can be called in parallel."""
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise _refuse("tools", "tools (function calling) are not supported; omit tools or send []")
+        if self.tool_choice not in (None, "none"):
+            raise _refuse("tool_choice", f"tool_choice={self.tool_choice!r} is not supported (no function "
+                                         'calling); omit it or send "none"')
 
     def sampling_params(self) -> SamplingParams:
+        self.check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise OpenAIError(400, "send max_completion_tokens or max_tokens (deprecated), not both",
                               param="max_completion_tokens")
+        # Checked here under the client's names: SamplingParams calls them logprobs and max_tokens.
+        check_range(InvalidRequest, "top_logprobs", self.top_logprobs, 0, MAX_LOGPROBS)
+        check_range(InvalidRequest, "max_completion_tokens", self.max_completion_tokens, 1,
+                    hint="ask for at least one token")
         # No default cap for chat (as OpenAI): generate up to the end of the context or a stop.
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)

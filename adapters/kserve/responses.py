@@ -7,12 +7,24 @@ same deltas in and renders one body at the end, so both paths share every format
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.core.outputs import RequestOutput, TokenLogprobs
+
+
+class StreamUsage(enum.Enum):
+    """What usage a stream reports: none; one extra last chunk (OpenAI's include_usage; every other
+    chunk then says "usage": null); or also the running total on every chunk (vLLM's
+    continuous_usage_stats)."""
+
+    OFF = enum.auto()
+    FINAL = enum.auto()
+    EVERY_CHUNK = enum.auto()
 
 
 @dataclass
@@ -39,6 +51,8 @@ class _Renderer:
         self.choices: dict[int, _Choice] = {}
         self.prompt_tokens: dict[int, int] = {}
         """prompt index -> its token count (counted once however many samples it has)."""
+        self.cached_tokens: dict[int, int] = {}
+        """prompt index -> its prompt tokens served from the prefix cache (sample 0's count)."""
 
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -48,15 +62,18 @@ class _Renderer:
         first = index not in self.choices
         choice = self.choices.setdefault(index, _Choice())
         self.prompt_tokens[prompt_index] = out.num_prompt_tokens
+        if out.index == 0:
+            self.cached_tokens[prompt_index] = out.num_cached_tokens
         choice.num_output_tokens = out.num_output_tokens
         if out.finished:
             choice.finish_reason = out.finish_reason
         return index, choice, first
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         prompt = sum(self.prompt_tokens.values())
         completion = sum(c.num_output_tokens for c in self.choices.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -64,6 +81,12 @@ class _Renderer:
     def usage_chunk(self) -> dict[str, Any]:
         """The extra last chunk of stream_options.include_usage: no choices, only usage."""
         return {**self._envelope(self.chunk_object_name, []), "usage": self.usage()}
+
+    def stream_chunk(self, prompt_index: int, out: RequestOutput, usage: StreamUsage) -> dict[str, Any]:
+        chunk = self.chunk(prompt_index, out)
+        if usage is not StreamUsage.OFF:  # OpenAI: "usage": null on every chunk but the usage chunk
+            chunk["usage"] = self.usage() if usage is StreamUsage.EVERY_CHUNK else None
+        return chunk
 
     def add(self, prompt_index: int, out: RequestOutput) -> None:
         """Non-streaming: accumulate a delta."""
@@ -84,10 +107,12 @@ class CompletionRenderer(_Renderer):
     object_name = chunk_object_name = "text_completion"
 
     def __init__(self, request_id: str, model: str, tokenizer: Any, n: int, want_logprobs: bool,
-                 echo: bool, prompts: Sequence[str | Sequence[int]]) -> None:
+                 echo: bool, prompts: Sequence[str | Sequence[int]], echo_only: bool = False) -> None:
         super().__init__(request_id, model, tokenizer, n, want_logprobs)
         self.echo = echo
         self.prompts = prompts
+        self.echo_only = echo_only
+        """echo with max_tokens=0: the one token the engine samples is dropped (nothing generated)."""
         self._prompt_logprobs: dict[int, tuple[TokenLogprobs | None, ...]] = {}
 
     def _row(self, choice: _Choice, token: str, logprob: float | None, top: dict[str, float] | None) -> dict:
@@ -107,6 +132,12 @@ class CompletionRenderer(_Renderer):
         index, choice, first = self._update(prompt_index, out)
         if out.prompt_logprobs is not None:
             self._prompt_logprobs[prompt_index] = out.prompt_logprobs
+        finish_reason = out.finish_reason if out.finished else None
+        if self.echo_only:
+            choice.num_output_tokens = 0
+            if finish_reason == "stop":  # the dropped token was EOS or a stop: max_tokens=0 ended it
+                finish_reason = choice.finish_reason = "length"
+            out = dataclasses.replace(out, text="", logprobs=None)
         text, rows = out.text, []
         if first and self.echo:
             prompt = self.prompts[prompt_index]
@@ -123,7 +154,7 @@ class CompletionRenderer(_Renderer):
         choice.logprob_rows += rows
         return self._envelope(self.chunk_object_name, [{
             "index": index, "text": text, "logprobs": self._columns(rows) if self.want_logprobs else None,
-            "finish_reason": out.finish_reason if out.finished else None}])
+            "finish_reason": finish_reason}])
 
     @staticmethod
     def _columns(rows: list[dict]) -> dict[str, list]:

@@ -84,11 +84,8 @@ def _coerce_strings(params: dict[str, Any]) -> dict[str, Any]:
             elif key in _BOOL_KEYS:
                 out[key] = parse_bool(value, key)
         except ValueError:
-            raise InvalidRequest(f"sampling parameter {key}={value!r} is not a number") from None
-    if out.get("best_of") not in (None, out.get("n", 1)):
-        raise InvalidRequest(f"best_of={out['best_of']!r} is not supported; omit it or set it equal to n")
-    out.pop("best_of", None)
-    return out
+            raise InvalidRequest(f"sampling parameter {key}={value!r} is not a number", param=key) from None
+    return out  # best_of goes on to SamplingParams.from_dict: one rule for every adapter
 
 
 def sampling_params_from(raw: Mapping[str, Any], extra: Mapping[str, Any] | None = None) -> SamplingParams:
