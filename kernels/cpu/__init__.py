@@ -2,5 +2,7 @@
 
 from pagedserve.kernels.cpu.attention import paged_attention, reshape_and_cache
 from pagedserve.kernels.cpu.build import CpuKernelsUnavailable, load_extension
+from pagedserve.kernels.cpu.layers import add_rms_norm, rms_norm, rotary_qkv, silu_and_mul
 
-__all__ = ["paged_attention", "reshape_and_cache", "CpuKernelsUnavailable", "load_extension"]
+__all__ = ["paged_attention", "reshape_and_cache", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qkv",
+           "CpuKernelsUnavailable", "load_extension"]

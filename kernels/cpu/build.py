@@ -1,8 +1,8 @@
 """Compile the CPU kernels (C++ through torch.utils.cpp_extension) once per machine.
 
 The build lands in torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``) under a name hashed from the source, the flags and the checkout's
-path (torch rebuilds whenever the recorded source path changes, so two checkouts sharing one
+``~/.cache/torch_extensions``) under a name hashed from the sources and headers, the flags and the
+checkout's path (torch rebuilds whenever the recorded source path changes, so two checkouts sharing one
 name would rebuild each other's). A first build takes about a minute on 2 cores and
 ``scripts/setup.sh`` runs it (``python -m pagedserve.kernels.cpu``), so no server pays it at
 startup; later loads take about 2 s (torch still runs ninja and checks the compiler).
@@ -19,7 +19,10 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
+HERE = Path(__file__).parent
+# Compiled into one module; HEADERS only count towards the build's name (a changed header rebuilds).
+SOURCES = [HERE / "bindings.cpp", HERE / "paged_decode_attention.cpp", HERE / "fused_ops.cpp"]
+HEADERS = [HERE / "ops.h", HERE / "vec.h"]
 # Reassociation lets GCC vectorise the dot products and sums; no -ffast-math, which would also
 # assume no NaN/inf (masked scores and softmax rely on real infinities).
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
@@ -30,7 +33,10 @@ class CpuKernelsUnavailable(RuntimeError):
 
 
 def extension_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + str(SOURCE).encode()).hexdigest()
+    h = hashlib.sha256(" ".join(CFLAGS).encode() + str(HERE).encode())
+    for path in SOURCES + HEADERS:
+        h.update(path.name.encode() + path.read_bytes())
+    digest = h.hexdigest()
     return f"pagedserve_cpu_kernels_{digest[:12]}"
 
 
@@ -57,8 +63,8 @@ def load_extension() -> ModuleType:
 
         # -fopenmp links libgomp.so.1, which resolves to the copy torch already loaded: one
         # OpenMP runtime, one thread team.
-        return load(name=extension_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                    verbose=False)
+        return load(name=extension_name(), sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - compiler output varies; keep its message
         raise CpuKernelsUnavailable(f"building the C++ CPU kernels failed: {exc}") from exc
 

@@ -1,206 +1,307 @@
-// Paged decode attention on CPU: one query row per sequence, fp32 queries and arithmetic (the
-// Python wrapper widens bf16 queries and rounds the result back), K/V read in place through the
-// block table. The pure-torch reference (kernels/reference/attention.py) gathers every key of
-// every decode row into a fresh buffer before SDPA; reading the cache in place skips that copy.
-// Decode attention is bound by memory traffic (its latency more than its bandwidth: see
-// kPrefetchAhead), so the cache is read in its stored format (fp32, bf16, int8 or fp8 codes with
-// per-slot bf16 or static fp32 scales) and widened to fp32 one row at a time in L1, never whole.
+// Paged decode attention on CPU: one query row per sequence, read through the block table in the
+// cache's stored format (fp32, bf16, int8 or fp8 codes with per-slot bf16 or static fp32 scales),
+// arithmetic in fp32, queries and outputs in fp32 or bf16.
 //
-// Work item = (decode sequence, KV head): the group's query heads (GQA) share one pass over the
-// keys, so each K/V row is loaded once per item. Scores are kept for the whole context (at most
-// max_model_len floats per query head), then softmax, then the weighted sum of V rows.
+// Decode attention is bound by memory traffic: every step reads each sequence's whole K and V.
+// A cache block holds block_size slots of num_kv_heads * head_dim values, contiguous, so a work
+// item takes a whole sequence (all its KV heads) and reads each block as one contiguous run
+// (bf16 SmolLM2: 6 KiB of K, then 6 KiB of V), which the hardware prefetcher follows; the next
+// block, elsewhere in the pool, is prefetched in software. The softmax is online (flash-decoding):
+// per block, scores -> running max and sum -> rescaled accumulators, so K and V are read once and
+// the scores never leave L1.
+//
+// Work items are (sequence, block range): with fewer sequences than threads x 4, long contexts
+// are split and the parts merged by log-sum-exp, so batch-1 decode uses every core. Items are
+// dealt to threads in contiguous runs of about equal cost (positions read).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstring>
+#include <limits>
 #include <vector>
 
+#include "ops.h"
+#include "vec.h"
+
+namespace pagedserve {
 namespace {
-
-// Compiled twice on x86-64 (AVX2+FMA and baseline) and picked at load time by the CPU, so a
-// build cached on one machine never executes an instruction another machine lacks.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PAGEDSERVE_MULTIVERSION __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define PAGEDSERVE_MULTIVERSION
-#endif
-
-struct Geometry {
-  int64_t block_size;
-  int64_t row_stride;  // elements between consecutive cache slots: num_kv_heads * head_dim
-  int64_t num_kv_heads;
-  int64_t group;       // query heads per KV head
-  int64_t head_dim;
-};
 
 enum CacheKind : int64_t { kFloat32 = 0, kBFloat16 = 1, kInt8 = 2, kFp8 = 3 };
 
-// One KV head of one cache, with how to widen its rows to fp32.
+struct Geometry {
+  int64_t block_size;
+  int64_t num_kv_heads;
+  int64_t group;  // query heads per KV head
+  int64_t head_dim;
+  int64_t row;    // values per cache slot: num_kv_heads * head_dim
+};
+
+// One cache (K or V), with how to widen its values to fp32.
 struct Source {
-  const void* data;        // cache base offset to the head
-  const uint16_t* scales;  // per-slot bf16 scales offset to the head (stride num_kv_heads), or null
+  const void* data;
+  const uint16_t* scales;  // per-slot bf16 scales [slot][num_kv_heads], or null
   float static_scale;      // the scale when `scales` is null (1 for float caches)
   const float* lut;        // fp8 code -> value, 256 entries (kFp8 only)
 };
 
-// e^x for x <= 0 (a score minus the row's maximum), vectorisable where std::exp is a scalar libm
-// call (measured ~10% of the kernel's time with std::exp): e^x = 2^n * 2^f with n = round(x / ln2), |f| <= 1/2, and
-// 2^f from its degree-7 Taylor polynomial (relative error below 1e-7, float rounding level).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // below this e^x underflows anyway; keeps 2^n a normal float
-  const float t = x * 1.4426950408889634f;
-  const float n = std::floor(t + 0.5f);
-  const float f = (t - n) * 0.6931471805599453f;  // the remainder back in natural-log units
-  const float p = 1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720 + f * (1.f / 5040)))))));
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+// Running softmax state of one work item: per query head the max, the sum of e^(s - max), and
+// the unnormalised output (head_dim values).
+struct Partial {
+  float* m;
+  float* l;
+  float* acc;
+};
 
-// Eight floats as one GCC vector (AVX in the x86-64-v3 clone, two SSE halves in the baseline).
-typedef float v8sf __attribute__((vector_size(32)));
-constexpr int64_t kTile = 4;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline v8sf load8(const float* p) {
-  v8sf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline float hsum8(v8sf v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
-
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &wide, sizeof(out));
-  return out;
-}
-
-// fp32 values of cache slot `slot` (head_dim of them): a pointer into the cache for fp32, else
-// `tmp` filled with code * scale, exactly as the reference's dequantize_kv computes it.
+// fp32 values of `n` consecutive slots from `slot` (all KV heads; n * g.row values): a pointer into
+// the cache for fp32, else `tmp` filled with code * scale, as the reference's dequantize_kv does.
 template <int64_t Kind>
-__attribute__((always_inline)) inline const float* load_row(const Source& s, int64_t slot, const Geometry& g,
-                                                            float* tmp) {
-  const int64_t off = slot * g.row_stride, D = g.head_dim;
+PAGEDSERVE_INLINE const float* widen_slots(const Source& s, int64_t slot, int64_t n, const Geometry& g, float* tmp) {
+  const int64_t off = slot * g.row;
   if constexpr (Kind == kFloat32) {
     return static_cast<const float*>(s.data) + off;
   } else if constexpr (Kind == kBFloat16) {
     const uint16_t* p = static_cast<const uint16_t*>(s.data) + off;
-    for (int64_t d = 0; d < D; ++d) tmp[d] = bf16_to_float(p[d]);
+    for (int64_t i = 0; i < n * g.row; ++i) tmp[i] = bf16_to_float(p[i]);
     return tmp;
   } else {
-    const float scale = s.scales != nullptr ? bf16_to_float(s.scales[slot * g.num_kv_heads]) : s.static_scale;
-    if constexpr (Kind == kInt8) {
-      const int8_t* p = static_cast<const int8_t*>(s.data) + off;
-      for (int64_t d = 0; d < D; ++d) tmp[d] = static_cast<float>(p[d]) * scale;
-    } else {
-      const uint8_t* p = static_cast<const uint8_t*>(s.data) + off;
-      for (int64_t d = 0; d < D; ++d) tmp[d] = s.lut[p[d]] * scale;
+    const int64_t D = g.head_dim;
+    for (int64_t r = 0; r < n * g.num_kv_heads; ++r) {  // r: (slot, head) pairs, D values each
+      const float scale = s.scales != nullptr ? bf16_to_float(s.scales[slot * g.num_kv_heads + r]) : s.static_scale;
+      float* dst = tmp + r * D;
+      if constexpr (Kind == kInt8) {
+        const int8_t* p = static_cast<const int8_t*>(s.data) + off + r * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(p[d]) * scale;
+      } else {
+        const uint8_t* p = static_cast<const uint8_t*>(s.data) + off + r * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = s.lut[p[d]] * scale;
+      }
     }
     return tmp;
   }
 }
 
-// Software prefetch this many positions ahead. A work item reads one KV head's part of each slot
-// (SmolLM2: 256 of every 768 bytes) from blocks scattered over the pool, which the hardware
-// prefetcher follows poorly: measured 1.4-1.7x faster on fp32 caches at 64 sequences of 16-768
-// tokens (int8 ~1.1x); 8 and 16 positions tie, 4 and 32 are slower.
-constexpr int64_t kPrefetchAhead = 8;
-
 template <int64_t Kind>
-__attribute__((always_inline)) inline void prefetch_row(const Source& s, int64_t slot, const Geometry& g) {
+PAGEDSERVE_INLINE void prefetch_slots(const Source& s, int64_t slot, int64_t n, const Geometry& g) {
   constexpr int64_t elem = Kind == kFloat32 ? 4 : Kind == kBFloat16 ? 2 : 1;
-  const char* p = static_cast<const char*>(s.data) + slot * g.row_stride * elem;
-  for (int64_t b = 0; b < g.head_dim * elem; b += 64) __builtin_prefetch(p + b, 0, 3);
+  const char* p = static_cast<const char*>(s.data) + slot * g.row * elem;
+  for (int64_t b = 0; b < n * g.row * elem; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
-// Attention of `group` query rows (q: group x head_dim, contiguous) over cache positions
-// [first, last) of one sequence and one KV head.
+// Where block `pos` / B starts: its first slot and how many of its positions are in [pos, last).
+// Also prefetches the following block, which lives elsewhere in the pool.
 template <int64_t Kind>
-__attribute__((always_inline)) inline void attend(const float* q, const Source& k, const Source& v,
-                                                  const int32_t* blocks, int64_t first, int64_t last,
-                                                  const Geometry& g, float scale, float* scores, float* tmp,
-                                                  float* out) {
-  const int64_t n = last - first, D = g.head_dim;
-  auto slot = [&](int64_t pos) {
-    return static_cast<int64_t>(blocks[pos / g.block_size]) * g.block_size + pos % g.block_size;
-  };
-  int64_t i = 0;
-  if (D % 8 == 0) {
-    // kTile positions at a time, one 8-wide accumulator each: independent FMA chains instead of
-    // one dependent chain per dot product (measured 12-20% faster than the plain simd loop).
-    for (; i + kTile <= n; i += kTile) {
-      for (int64_t t = 0; t < kTile; ++t) {
-        if (i + kPrefetchAhead + t < n) prefetch_row<Kind>(k, slot(first + i + kPrefetchAhead + t), g);
-      }
-      const float* kr[kTile];
-      for (int64_t t = 0; t < kTile; ++t) kr[t] = load_row<Kind>(k, slot(first + i + t), g, tmp + t * D);
-      for (int64_t h = 0; h < g.group; ++h) {
-        const float* qr = q + h * D;
-        v8sf acc[kTile] = {};
-        for (int64_t d = 0; d < D; d += 8) {
-          const v8sf qv = load8(qr + d);
-          for (int64_t t = 0; t < kTile; ++t) acc[t] += qv * load8(kr[t] + d);
-        }
-        for (int64_t t = 0; t < kTile; ++t) scores[h * n + i + t] = hsum8(acc[t]) * scale;
-      }
-    }
+PAGEDSERVE_INLINE int64_t block_at(const Source& k, const Source& v, const int32_t* blocks, int64_t pos,
+                                   int64_t last, const Geometry& g, int64_t* n) {
+  const int64_t B = g.block_size, j = pos / B;
+  *n = std::min(last, (j + 1) * B) - pos;
+  if (pos + *n < last) {
+    const int64_t next = static_cast<int64_t>(blocks[j + 1]) * B, next_n = std::min(B, last - (pos + *n));
+    prefetch_slots<Kind>(k, next, next_n, g);
+    prefetch_slots<Kind>(v, next, next_n, g);
   }
-  for (; i < n; ++i) {
-    const float* kr = load_row<Kind>(k, slot(first + i), g, tmp);
-    for (int64_t h = 0; h < g.group; ++h) {
-      const float* qr = q + h * D;
-      float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
-      scores[h * n + i] = dot * scale;
-    }
-  }
-  for (int64_t h = 0; h < g.group; ++h) {
-    float* s = scores + h * n;
-    const float m = *std::max_element(s, s + n);
-    float sum = 0.f;
+  return static_cast<int64_t>(blocks[j]) * B + pos % B;
+}
+
+// Fold scores s[0, n) of one head into its running state; leaves e^(s - max) in s and returns
+// the factor the head's accumulator must be scaled by.
+PAGEDSERVE_INLINE float online_softmax_scalar(float* s, int64_t n, float* m, float* l) {
+  const float m_new = std::max(*m, *std::max_element(s, s + n));
+  const float alpha = *m == kNegInf ? 0.f : exp_nonpositive(*m - m_new);
+  float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) {
-      s[i] = exp_nonpositive(s[i] - m);
-      sum += s[i];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t i = 0; i < n; ++i) s[i] *= inv;
-    std::fill(out + h * D, out + (h + 1) * D, 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = exp_nonpositive(s[t] - m_new);
+    sum += s[t];
   }
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kPrefetchAhead < n) prefetch_row<Kind>(v, slot(first + i + kPrefetchAhead), g);
-    const float* vr = load_row<Kind>(v, slot(first + i), g, tmp);
-    for (int64_t h = 0; h < g.group; ++h) {
-      const float p = scores[h * n + i];
-      float* o = out + h * D;
+  *l = *l * alpha + sum;
+  *m = m_new;
+  return alpha;
+}
+
+// Any head_dim: scalar loops the compiler vectorises as it can. K and V of a block are widened to
+// fp32 in `tmp` (two blocks of values) first.
+template <int64_t Kind>
+PAGEDSERVE_INLINE void attend_any(const float* q, const Source& k, const Source& v, const int32_t* blocks,
+                                  int64_t first, int64_t last, const Geometry& g, float scale, float* scores,
+                                  float* tmp, Partial st) {
+  const int64_t D = g.head_dim, H = g.num_kv_heads * g.group, SB = (g.block_size + 15) / 16 * 16;
+  for (int64_t pos = first, n = 0; pos < last; pos += n) {
+    const int64_t slot = block_at<Kind>(k, v, blocks, pos, last, g, &n);
+    const float* kr = widen_slots<Kind>(k, slot, n, g, tmp);
+    for (int64_t h = 0; h < H; ++h) {
+      const float* qh = q + h * D;
+      const float* kh = kr + (h / g.group) * D;
+      float* s = scores + h * SB;
+      for (int64_t t = 0; t < n; ++t) {
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[t * g.row + d];
+        s[t] = dot * scale;
+      }
+      const float alpha = online_softmax_scalar(s, n, st.m + h, st.l + h);
+      float* a = st.acc + h * D;
+      for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+    }
+    const float* vr = widen_slots<Kind>(v, slot, n, g, tmp + g.block_size * g.row);
+    for (int64_t h = 0; h < H; ++h) {
+      const float* vh = vr + (h / g.group) * D;
+      float* a = st.acc + h * D;
+      for (int64_t t = 0; t < n; ++t) {
+        const float p = scores[h * SB + t];
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) o[d] += p * vr[d];
+        for (int64_t d = 0; d < D; ++d) a[d] += p * vh[t * g.row + d];
+      }
     }
   }
 }
 
-// One compiled entry per cache kind; each is cloned for AVX2+FMA and the baseline ISA.
-#define PAGEDSERVE_ATTEND_ENTRY(NAME, KIND)                                                                  \
-  PAGEDSERVE_MULTIVERSION void NAME(const float* q, const Source& k, const Source& v, const int32_t* blocks, \
-                                    int64_t first, int64_t last, const Geometry& g, float scale,           \
-                                    float* scores, float* tmp, float* out) {                               \
-    attend<KIND>(q, k, v, blocks, first, last, g, scale, scores, tmp, out);                                \
+// 32 consecutive cache values as two fp32 vectors. fp32: values 0-15 and 16-31. bf16: one 64-byte
+// load split into the even values (x << 16) and the odd ones (x & 0xffff0000), both exact; the
+// query and the accumulators are kept in the same even/odd order (lane order, see
+// to_lane_order), so bf16 caches need no widening pass.
+template <int64_t Kind>
+PAGEDSERVE_INLINE void load32(const void* base, int64_t i, v16sf& a, v16sf& b) {
+  if constexpr (Kind == kBFloat16) {
+    const v16si x = loadv<v16si>(static_cast<const uint16_t*>(base) + i);
+    const v16si lo = x << 16, hi = x & static_cast<int32_t>(0xffff0000u);
+    a = reinterpret_cast<const v16sf&>(lo);
+    b = reinterpret_cast<const v16sf&>(hi);
+  } else {
+    const float* p = static_cast<const float*>(base) + i;
+    a = loadv<v16sf>(p);
+    b = loadv<v16sf>(p + 16);
   }
-PAGEDSERVE_ATTEND_ENTRY(attend_fp32, kFloat32)
-PAGEDSERVE_ATTEND_ENTRY(attend_bf16, kBFloat16)
-PAGEDSERVE_ATTEND_ENTRY(attend_int8, kInt8)
-PAGEDSERVE_ATTEND_ENTRY(attend_fp8, kFp8)
+}
+
+// Natural order -> lane order (bf16: within every 32 values, the even ones then the odd ones).
+void to_lane_order(const float* in, float* out, int64_t count) {
+  for (int64_t c = 0; c < count; c += 32) {
+    for (int64_t i = 0; i < 16; ++i) {
+      out[c + i] = in[c + 2 * i];
+      out[c + 16 + i] = in[c + 2 * i + 1];
+    }
+  }
+}
+
+void from_lane_order(const float* in, float* out, int64_t count) {
+  for (int64_t c = 0; c < count; c += 32) {
+    for (int64_t i = 0; i < 16; ++i) {
+      out[c + 2 * i] = in[c + i];
+      out[c + 2 * i + 1] = in[c + 16 + i];
+    }
+  }
+}
+
+// head_dim = 32 * NP, with 16-float vectors: 16 scores of a head reduced together (reduce16), a
+// vectorised exp, the head's accumulator in registers across a block. fp32 and bf16 caches are
+// read in place; int8/fp8 are widened per block into `tmp`. q and st.acc are in lane order.
+template <int64_t Kind, int64_t NP>
+PAGEDSERVE_INLINE void attend_vec(const float* q, const Source& k, const Source& v, const int32_t* blocks,
+                                  int64_t first, int64_t last, const Geometry& g, float scale, float* scores,
+                                  float* tmp, Partial st) {
+  constexpr int64_t D = 32 * NP;
+  constexpr bool kInPlace = Kind == kFloat32 || Kind == kBFloat16;
+  constexpr int64_t kLoad = kInPlace ? Kind : kFloat32;  // widened codes are fp32
+  const int64_t H = g.num_kv_heads * g.group, R = g.row, SB = (g.block_size + 15) / 16 * 16;
+  for (int64_t pos = first, n = 0; pos < last; pos += n) {
+    const int64_t slot = block_at<Kind>(k, v, blocks, pos, last, g, &n);
+    const void* kr = k.data;
+    const void* vr = v.data;
+    int64_t base = slot * R;  // index of the block's first value in kr / vr
+    if constexpr (!kInPlace) {
+      kr = widen_slots<Kind>(k, slot, n, g, tmp);
+      vr = widen_slots<Kind>(v, slot, n, g, tmp + g.block_size * R);
+      base = 0;
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      v16sf qa[NP], qb[NP];
+      for (int64_t c = 0; c < NP; ++c) {
+        qa[c] = loadv<v16sf>(q + h * D + 32 * c);
+        qb[c] = loadv<v16sf>(q + h * D + 32 * c + 16);
+      }
+      const int64_t head = base + (h / g.group) * D;
+      float* s = scores + h * SB;
+      for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        v16sf dots[16];
+        for (int64_t t = 0; t < 16; ++t) {
+          // Lanes past the block's end repeat its last row: finite values, masked below.
+          const int64_t row = head + std::min(t0 + t, n - 1) * R;
+          v16sf sum = v16sf{};
+          for (int64_t c = 0; c < NP; ++c) {
+            v16sf ka, kb;
+            load32<kLoad>(kr, row + 32 * c, ka, kb);
+            sum += qa[c] * ka + qb[c] * kb;
+          }
+          dots[t] = sum;
+        }
+        storev(s + t0, reduce16(dots) * scale);
+      }
+      v16sf m_vec = v16sf{} + kNegInf;
+      for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        v16sf sv = loadv<v16sf>(s + t0);
+        for (int64_t t = n - t0; t < 16; ++t) sv[t] = kNegInf;
+        m_vec = m_vec > sv ? m_vec : sv;
+      }
+      const float m_new = std::max(st.m[h], hmax16(m_vec));
+      const float alpha = st.m[h] == kNegInf ? 0.f : exp_nonpositive(st.m[h] - m_new);
+      v16sf sum_vec = v16sf{};
+      for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        v16sf e = exp_nonpositive16(loadv<v16sf>(s + t0) - m_new);
+        for (int64_t t = n - t0; t < 16; ++t) e[t] = 0.f;
+        storev(s + t0, e);
+        sum_vec += e;
+      }
+      st.l[h] = st.l[h] * alpha + hsum16(sum_vec);
+      st.m[h] = m_new;
+      float* a = st.acc + h * D;
+      v16sf aa[NP], ab[NP];
+      for (int64_t c = 0; c < NP; ++c) {
+        aa[c] = loadv<v16sf>(a + 32 * c) * alpha;
+        ab[c] = loadv<v16sf>(a + 32 * c + 16) * alpha;
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        const float p = s[t];
+        for (int64_t c = 0; c < NP; ++c) {
+          v16sf va, vb;
+          load32<kLoad>(vr, head + t * R + 32 * c, va, vb);
+          aa[c] += p * va;
+          ab[c] += p * vb;
+        }
+      }
+      for (int64_t c = 0; c < NP; ++c) {
+        storev(a + 32 * c, aa[c]);
+        storev(a + 32 * c + 16, ab[c]);
+      }
+    }
+  }
+}
 
 using AttendFn = void (*)(const float*, const Source&, const Source&, const int32_t*, int64_t, int64_t,
-                          const Geometry&, float, float*, float*, float*);
+                          const Geometry&, float, float*, float*, Partial);
+
+// One compiled entry per (head_dim class, cache kind); each is cloned per ISA.
+#define PAGEDSERVE_ATTEND_ENTRY(NAME, CALL)                                                                    \
+  PAGEDSERVE_MULTIVERSION void NAME(const float* q, const Source& k, const Source& v, const int32_t* blocks,  \
+                                    int64_t first, int64_t last, const Geometry& g, float scale,            \
+                                    float* scores, float* tmp, Partial st) {                                \
+    CALL(q, k, v, blocks, first, last, g, scale, scores, tmp, st);                                          \
+  }
+PAGEDSERVE_ATTEND_ENTRY(attend_any_fp32, attend_any<kFloat32>)
+PAGEDSERVE_ATTEND_ENTRY(attend_any_bf16, attend_any<kBFloat16>)
+PAGEDSERVE_ATTEND_ENTRY(attend_any_int8, attend_any<kInt8>)
+PAGEDSERVE_ATTEND_ENTRY(attend_any_fp8, attend_any<kFp8>)
+#define PAGEDSERVE_COMMA ,
+PAGEDSERVE_ATTEND_ENTRY(attend64_fp32, attend_vec<kFloat32 PAGEDSERVE_COMMA 2>)
+PAGEDSERVE_ATTEND_ENTRY(attend64_bf16, attend_vec<kBFloat16 PAGEDSERVE_COMMA 2>)
+PAGEDSERVE_ATTEND_ENTRY(attend64_int8, attend_vec<kInt8 PAGEDSERVE_COMMA 2>)
+PAGEDSERVE_ATTEND_ENTRY(attend64_fp8, attend_vec<kFp8 PAGEDSERVE_COMMA 2>)
+PAGEDSERVE_ATTEND_ENTRY(attend128_fp32, attend_vec<kFloat32 PAGEDSERVE_COMMA 4>)
+PAGEDSERVE_ATTEND_ENTRY(attend128_bf16, attend_vec<kBFloat16 PAGEDSERVE_COMMA 4>)
+PAGEDSERVE_ATTEND_ENTRY(attend128_int8, attend_vec<kInt8 PAGEDSERVE_COMMA 4>)
+PAGEDSERVE_ATTEND_ENTRY(attend128_fp8, attend_vec<kFp8 PAGEDSERVE_COMMA 4>)
+#undef PAGEDSERVE_COMMA
 
 int64_t cache_kind(const torch::Tensor& cache, const torch::Tensor& lut) {
   switch (cache.scalar_type()) {
@@ -239,19 +340,68 @@ void scale_pointers(const torch::Tensor& scale, int64_t kind, const torch::Tenso
   *per_slot = reinterpret_cast<const uint16_t*>(scale.data_ptr());
 }
 
+struct WorkItem {
+  int64_t seq;    // batch row
+  int64_t first;  // positions [first, last) of the sequence
+  int64_t last;
+  int64_t part;   // index of this item's partial result when its sequence is split, else -1
+};
+
+// A split sequence's ranges are at least this many blocks long.
+constexpr int64_t kMinSplitBlocks = 4;
+
+// Items for the decode rows, each sequence split into block-aligned ranges when there are fewer
+// than `wanted` sequences. Returns the number of partial results the split items need.
+int64_t make_items(const std::vector<int64_t>& decode_seqs, const int32_t* lens, int64_t sliding_window,
+                   int64_t block_size, int64_t wanted, std::vector<WorkItem>* items) {
+  const int64_t count = static_cast<int64_t>(decode_seqs.size());
+  const int64_t splits_per_seq = std::max<int64_t>(1, (wanted + count - 1) / count);
+  int64_t parts = 0;
+  for (int64_t b : decode_seqs) {
+    const int64_t last = lens[b], first = sliding_window > 0 ? std::max<int64_t>(0, last - sliding_window) : 0;
+    const int64_t first_block = first / block_size, n_blocks = (last + block_size - 1) / block_size - first_block;
+    const int64_t splits = std::min(splits_per_seq, std::max<int64_t>(1, n_blocks / kMinSplitBlocks));
+    if (splits == 1) {
+      items->push_back({b, first, last, -1});
+      continue;
+    }
+    for (int64_t s = 0; s < splits; ++s) {
+      const int64_t lo = std::max(first, (first_block + n_blocks * s / splits) * block_size);
+      const int64_t hi = std::min(last, (first_block + n_blocks * (s + 1) / splits) * block_size);
+      items->push_back({b, lo, hi, parts++});
+    }
+  }
+  return parts;
+}
+
+// bounds[t]..bounds[t + 1]: the items of thread t, contiguous runs of about equal positions.
+std::vector<int64_t> balance(const std::vector<WorkItem>& items, int64_t threads) {
+  int64_t total = 0;
+  for (const WorkItem& it : items) total += it.last - it.first;
+  std::vector<int64_t> bounds(threads + 1, static_cast<int64_t>(items.size()));
+  bounds[0] = 0;
+  int64_t acc = 0, t = 1;
+  for (int64_t i = 0; i < static_cast<int64_t>(items.size()) && t < threads; ++i) {
+    acc += items[i].last - items[i].first;
+    while (t < threads && acc * threads >= total * t) bounds[t++] = i + 1;
+  }
+  return bounds;
+}
+
 }  // namespace
 
 // Writes out[row] for every sequence whose query_start_loc span is exactly one row; rows of
 // longer spans (prefill chunks) are left untouched for the caller. sliding_window <= 0: none.
-// k_scale / v_scale: undefined (None) for float caches; fp8_lut: undefined unless the caches are
-// fp8 codes viewed as uint8.
+// query / out: both float32 or both bfloat16. k_scale / v_scale: undefined (None) for float
+// caches; fp8_lut: undefined unless the caches are fp8 codes viewed as uint8.
 void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                             torch::Tensor value_cache, torch::Tensor block_table,
                             torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
                             int64_t sliding_window, c10::optional<torch::Tensor> k_scale,
                             c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> fp8_lut) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32,
-              "paged_decode_attention: query and out must be float32");
+  const bool bf16_io = query.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((query.scalar_type() == torch::kFloat32 || bf16_io) && out.scalar_type() == query.scalar_type(),
+              "paged_decode_attention: query and out must both be float32 or both bfloat16");
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "key and value caches differ in dtype");
   const torch::Tensor lut = fp8_lut.value_or(torch::Tensor());
   const int64_t kind = cache_kind(key_cache, lut);
@@ -283,40 +433,99 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
       decode_seqs.push_back(b);
     }
   }
-  const Geometry g{block_size, num_kv_heads * head_dim, num_kv_heads, num_heads / num_kv_heads, head_dim};
-  const AttendFn attend_fn = kind == kFloat32 ? attend_fp32 : kind == kBFloat16 ? attend_bf16
-                           : kind == kInt8 ? attend_int8 : attend_fp8;
-  const int64_t elem = key_cache.element_size();
-  const char* kp = static_cast<const char*>(key_cache.data_ptr());
-  const char* vp = static_cast<const char*>(value_cache.data_ptr());
-  const float* lut_p = kind == kFp8 ? lut.data_ptr<float>() : nullptr;
-  const float* qp = query.data_ptr<float>();
-  const int32_t* bt = block_table.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+  if (decode_seqs.empty()) return;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  std::vector<WorkItem> items;
+  const int64_t num_parts = make_items(decode_seqs, lens, sliding_window, block_size, 4 * threads, &items);
+  const std::vector<int64_t> bounds = balance(items, threads);
 
-  const int64_t items = static_cast<int64_t>(decode_seqs.size()) * num_kv_heads;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> tmp(kTile * head_dim);
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t b = decode_seqs[w / num_kv_heads], h = w % num_kv_heads;
-      const int64_t last = lens[b];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, last - sliding_window) : 0;
-      scores.resize(g.group * (last - first));
-      const Source k{kp + h * head_dim * elem, k_scales ? k_scales + h : nullptr, k_fixed, lut_p};
-      const Source v{vp + h * head_dim * elem, v_scales ? v_scales + h : nullptr, v_fixed, lut_p};
-      const int64_t head_offset = (starts[b] * num_heads + h * g.group) * head_dim;
-      attend_fn(qp + head_offset, k, v, bt + b * max_blocks, first, last, g, sc, scores.data(), tmp.data(),
-                op + head_offset);
+  const Geometry g{block_size, num_kv_heads, num_heads / num_kv_heads, head_dim, num_kv_heads * head_dim};
+  static const AttendFn kernels[3][4] = {{attend_any_fp32, attend_any_bf16, attend_any_int8, attend_any_fp8},
+                                         {attend64_fp32, attend64_bf16, attend64_int8, attend64_fp8},
+                                         {attend128_fp32, attend128_bf16, attend128_int8, attend128_fp8}};
+  const int64_t variant = head_dim == 64 ? 1 : head_dim == 128 ? 2 : 0;
+  const AttendFn attend = kernels[variant][kind];
+  // The vector kernels over bf16 caches keep q and the accumulators in load32's lane order.
+  const bool lane_order = variant != 0 && kind == kBFloat16;
+  const Source k{key_cache.data_ptr(), k_scales, k_fixed, kind == kFp8 ? lut.data_ptr<float>() : nullptr};
+  const Source v{value_cache.data_ptr(), v_scales, v_fixed, k.lut};
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const float sc = static_cast<float>(scale);
+  const int64_t HD = num_heads * head_dim, part_size = num_heads * (head_dim + 2);
+  std::vector<float> parts(static_cast<size_t>(num_parts * part_size));  // split items: m, l, acc
+
+  auto read_query = [&](int64_t row, float* q, float* scratch) {
+    float* dst = lane_order ? scratch : q;
+    if (bf16_io) {
+      const uint16_t* qs = reinterpret_cast<const uint16_t*>(query.data_ptr()) + row * HD;
+      for (int64_t j = 0; j < HD; ++j) dst[j] = bf16_to_float(qs[j]);
+    } else {
+      std::memcpy(dst, query.data_ptr<float>() + row * HD, HD * sizeof(float));
+    }
+    if (lane_order) to_lane_order(scratch, q, HD);
+  };
+  // out[row] = acc / l per head (acc in the kernel's order).
+  auto write_row = [&](int64_t row, const float* acc, const float* l, float* scratch, float* result) {
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const float inv = 1.f / l[h];
+      for (int64_t d = 0; d < head_dim; ++d) scratch[h * head_dim + d] = acc[h * head_dim + d] * inv;
+    }
+    const float* values = scratch;
+    if (lane_order) {
+      from_lane_order(scratch, result, HD);
+      values = result;
+    }
+    if (bf16_io) {
+      uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr()) + row * HD;
+      for (int64_t i = 0; i < HD; ++i) o[i] = float_to_bf16(values[i]);
+    } else {
+      std::memcpy(out.data_ptr<float>() + row * HD, values, HD * sizeof(float));
+    }
+  };
+
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> q(HD), scratch(HD), result(HD), own(part_size);
+    std::vector<float> scores(num_heads * ((block_size + 15) / 16 * 16));
+    std::vector<float> tmp(kind == kFloat32 || lane_order ? 0 : 2 * block_size * g.row);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t i = bounds[t]; i < bounds[t + 1]; ++i) {
+        const WorkItem& it = items[i];
+        float* p = it.part >= 0 ? parts.data() + it.part * part_size : own.data();
+        const Partial st{p, p + num_heads, p + 2 * num_heads};
+        std::fill(st.m, st.m + num_heads, kNegInf);
+        std::fill(st.l, st.l + num_heads, 0.f);
+        std::fill(st.acc, st.acc + HD, 0.f);
+        read_query(starts[it.seq], q.data(), scratch.data());
+        attend(q.data(), k, v, bt + it.seq * max_blocks, it.first, it.last, g, sc, scores.data(), tmp.data(), st);
+        if (it.part < 0) write_row(starts[it.seq], st.acc, st.l, scratch.data(), result.data());
+      }
     }
   });
+
+  // Merge each split sequence's parts (its items are consecutive) by log-sum-exp.
+  std::vector<float> merged(part_size), scratch(HD), result(HD);
+  for (size_t i = 0; i < items.size();) {
+    size_t end = i + 1;
+    while (end < items.size() && items[end].seq == items[i].seq) ++end;
+    if (items[i].part >= 0) {
+      float* l = merged.data() + num_heads;
+      float* acc = merged.data() + 2 * num_heads;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float m_all = kNegInf;
+        for (size_t j = i; j < end; ++j) m_all = std::max(m_all, parts[items[j].part * part_size + h]);
+        l[h] = 0.f;
+        std::fill(acc + h * head_dim, acc + (h + 1) * head_dim, 0.f);
+        for (size_t j = i; j < end; ++j) {
+          const float* p = parts.data() + items[j].part * part_size;
+          const float w = std::exp(p[h] - m_all);
+          l[h] += p[num_heads + h] * w;
+          for (int64_t d = 0; d < head_dim; ++d) acc[h * head_dim + d] += p[2 * num_heads + h * head_dim + d] * w;
+        }
+      }
+      write_row(starts[items[i].seq], acc, l, scratch.data(), result.data());
+    }
+    i = end;
+  }
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode rows of a packed varlen batch attending over a paged KV cache (fp32, bf16, int8 or fp8 codes).",
-        py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
-        py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window"),
-        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("fp8_lut") = py::none());
-}
+}  // namespace pagedserve

@@ -1,5 +1,7 @@
-"""Pure-torch reference ops: the CPU path of the engine and the oracle for every Triton kernel."""
+"""Pure-torch reference ops: the CPU path of the engine where no compiler exists, and the oracle
+for every Triton and C++ kernel."""
 
 from pagedserve.kernels.reference.attention import paged_attention, reshape_and_cache
+from pagedserve.kernels.reference.layers import add_rms_norm, rms_norm, rotary_qkv, silu_and_mul
 
-__all__ = ["paged_attention", "reshape_and_cache"]
+__all__ = ["paged_attention", "reshape_and_cache", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qkv"]

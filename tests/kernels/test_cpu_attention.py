@@ -72,6 +72,24 @@ def test_reads_bf16_and_quantized_caches_in_place(cache_dtype, static, num_kv_he
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+# With fewer decode rows than 4 per thread, long contexts are split into block ranges whose partial
+# softmax states are merged by log-sum-exp (batch-1 decode on every core); a wrong merge weight or
+# range boundary shows against the dense oracle.
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("specs", [[(700, 1)], [(257, 1), (1000, 1)], [(70, 1), (5, 3), (300, 1)]],
+                         ids=["one", "two", "with-prefill"])
+def test_long_contexts_split_into_ranges(specs, dtype, window, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        run_both(specs, num_kv_heads=3, group=3, head_dim=64, block_size=16, window=window, dtype=dtype)
+        run_both(specs, num_kv_heads=2, group=2, head_dim=36, block_size=5, window=window, dtype=dtype)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_fp16_takes_the_reference_path():
     out, ref = run_both(MIXED, num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.float16)
     assert torch.equal(out, ref)
@@ -151,10 +169,16 @@ def test_without_a_compiler_auto_falls_back_and_cpu_fails(monkeypatch, caplog):
 
 def test_the_build_name_follows_source_flags_and_checkout(monkeypatch, tmp_path):
     name = cpu_build.extension_name()
-    copy = tmp_path / cpu_build.SOURCE.name
-    copy.write_bytes(cpu_build.SOURCE.read_bytes())
-    monkeypatch.setattr(cpu_build, "SOURCE", copy)
+    for path in cpu_build.SOURCES + cpu_build.HEADERS:
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(cpu_build, "HERE", tmp_path)
+    monkeypatch.setattr(cpu_build, "SOURCES", [tmp_path / p.name for p in cpu_build.SOURCES])
+    monkeypatch.setattr(cpu_build, "HEADERS", [tmp_path / p.name for p in cpu_build.HEADERS])
     assert cpu_build.extension_name() != name  # another checkout never rebuilds this one's library
+    checkout = cpu_build.extension_name()
+    header = tmp_path / "vec.h"
+    header.write_bytes(header.read_bytes() + b"\n// edited\n")
+    assert cpu_build.extension_name() != checkout  # a changed header rebuilds
     other_flags = cpu_build.extension_name()
     monkeypatch.setattr(cpu_build, "CFLAGS", [*cpu_build.CFLAGS, "-DX"])
     assert cpu_build.extension_name() != other_flags

@@ -1,0 +1,21 @@
+// Python bindings of the CPU kernels (the module torch.utils.cpp_extension builds, see build.py).
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace pagedserve;
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Decode rows of a packed varlen batch attending over a paged KV cache (fp32, bf16, int8 or fp8 codes).",
+        py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
+        py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("fp8_lut") = py::none());
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; x = weight * rms_norm(residual), in place.",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("rms_norm", &rms_norm, "weight * rms_norm(x) as a new tensor.", py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for gate_up = [gate | up].", py::arg("gate_up"));
+  m.def("rotary_qkv", &rotary_qkv,
+        "(q, k, v) from a fused qkv projection, q and k optionally head-normalised and rotated (neox).",
+        py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("num_heads"),
+        py::arg("num_kv_heads"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("eps") = 0.0);
+  m.def("store_kv", &store_kv, "key_cache[slot] = key, value_cache[slot] = value for float caches.",
+        py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"));
+}

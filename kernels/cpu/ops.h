@@ -1,0 +1,28 @@
+// The operations the extension exports (bindings.cpp), one declaration each.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace pagedserve {
+
+// paged_decode_attention.cpp
+void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                            torch::Tensor value_cache, torch::Tensor block_table,
+                            torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
+                            int64_t sliding_window, c10::optional<torch::Tensor> k_scale,
+                            c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> fp8_lut);
+
+// fused_ops.cpp
+void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+std::vector<torch::Tensor> rotary_qkv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos,
+                                      torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads,
+                                      c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
+                                      double eps);
+void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
+              torch::Tensor slot_mapping);
+
+}  // namespace pagedserve

@@ -1,0 +1,128 @@
+// Small vector helpers shared by the CPU kernels: 16-float GCC vectors, bf16 conversions, exp.
+//
+// The kernels are written once with GCC vector types and compiled per ISA by
+// PAGEDSERVE_MULTIVERSION (AVX-512, AVX2+FMA, baseline), picked at load time by the CPU, so a
+// build cached on one machine never executes an instruction another machine lacks. A v16sf is one
+// AVX-512 register, two AVX2 ones or four SSE ones, whichever the clone has.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PAGEDSERVE_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define PAGEDSERVE_MULTIVERSION
+#endif
+#define PAGEDSERVE_INLINE __attribute__((always_inline)) inline
+
+namespace pagedserve {
+
+typedef float v16sf __attribute__((vector_size(64)));
+typedef int32_t v16si __attribute__((vector_size(64)));
+typedef uint16_t v16hu __attribute__((vector_size(32)));
+
+template <typename V>
+PAGEDSERVE_INLINE V loadv(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <typename V>
+PAGEDSERVE_INLINE void storev(void* p, V v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+PAGEDSERVE_INLINE float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+// Round to nearest even, as torch's float -> bfloat16 conversion does (NaN stays NaN).
+PAGEDSERVE_INLINE uint16_t float_to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+PAGEDSERVE_INLINE v16sf bf16x16_to_float(const uint16_t* p) {
+  const v16si wide = __builtin_convertvector(loadv<v16hu>(p), v16si) << 16;
+  return reinterpret_cast<const v16sf&>(wide);
+}
+
+// Round to nearest even on 16 lanes; the vector twin of float_to_bf16 (NaN stays NaN).
+PAGEDSERVE_INLINE void float_to_bf16x16(v16sf x, uint16_t* out) {
+  const v16si bits = reinterpret_cast<const v16si&>(x);
+  const v16si rounded = (bits + (0x7fff + ((bits >> 16) & 1))) >> 16;
+  const v16si nan = (bits >> 16) | 0x40;
+  const v16si is_nan = (bits & 0x7fffffff) > 0x7f800000;
+  storev(out, __builtin_convertvector(is_nan ? nan : rounded, v16hu));
+}
+
+// e^x for x <= 0 (a score minus a running maximum), vectorisable where std::exp is a scalar libm
+// call: e^x = 2^n * 2^f, n = round(x / ln2), |f| <= 1/2 (in log2 units), 2^f from its degree-7
+// Taylor polynomial (relative error below 1e-7, float rounding level).
+PAGEDSERVE_INLINE float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // below this e^x underflows anyway; keeps 2^n a normal float
+  const float t = x * 1.4426950408889634f;
+  const float n = std::floor(t + 0.5f);
+  const float f = (t - n) * 0.6931471805599453f;  // the remainder back in natural-log units
+  const float p = 1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720 + f * (1.f / 5040)))))));
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// The same on 16 lanes. n comes from truncating t - 1/2, which rounds for t <= 0 (the kernels
+// build with -fassociative-math, which would fold the usual (t + 1.5 * 2^23) - 1.5 * 2^23).
+PAGEDSERVE_INLINE v16sf exp_nonpositive16(v16sf x) {
+  const v16sf lo = v16sf{} - 87.0f;
+  x = x < lo ? lo : x;
+  const v16sf t = x * 1.4426950408889634f;
+  const v16si n = __builtin_convertvector(t - 0.5f, v16si);
+  const v16sf f = (t - __builtin_convertvector(n, v16sf)) * 0.6931471805599453f;
+  const v16sf p = 1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720 + f * (1.f / 5040)))))));
+  const v16si bits = (n + 127) << 23;
+  return p * reinterpret_cast<const v16sf&>(bits);
+}
+
+// Lane i of the result is the sum of the 16 lanes of a[i]. A transpose-and-add tree: each level
+// halves the partial sums per vector and doubles the vectors per register (after level 1, b[i]
+// holds 8 partials of a[i] and 8 of a[i + 8]), 15 shuffle pairs for 16 sums instead of four
+// shuffle levels for every one.
+PAGEDSERVE_INLINE v16sf reduce16(const v16sf* a) {
+  v16sf b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = __builtin_shufflevector(a[i], a[i + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[i], a[i + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shufflevector(b[i], b[i + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[i], b[i + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    d[i] = __builtin_shufflevector(c[i], c[i + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(c[i], c[i + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  return __builtin_shufflevector(d[0], d[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+PAGEDSERVE_INLINE float hsum16(v16sf v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+PAGEDSERVE_INLINE float hmax16(v16sf v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+}  // namespace pagedserve
