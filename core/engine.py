@@ -77,8 +77,8 @@ class LLMEngine:
                 f"{self.arch.max_position_embeddings}; lower max_model_len"
             )
         self.eos_token_id = self.arch.eos_token_ids[0] if self.arch.eos_token_ids else self.tokenizer.eos_token_id
-        attention = select_attention_backend(mc.attention_backend, self.device)
-        model = load_decoder(self.model_path, self.arch, self.dtype, self.device, self.max_model_len, attention)
+        kernels = select_attention_backend(mc.attention_backend, self.device)
+        model = load_decoder(self.model_path, self.arch, self.dtype, self.device, self.max_model_len, kernels)
         # KV cache dtype, scales (int8/fp8) and bytes per block: core/kv_cache/cache_tensors.py.
         self.kv_cache_spec = kv_spec = make_kv_cache_spec(
             cc.kv_cache_dtype, self.dtype, self.arch.num_layers, cc.block_size, self.arch.num_kv_heads,

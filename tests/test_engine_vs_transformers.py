@@ -146,7 +146,7 @@ def test_lm_head_in_vocabulary_slices_matches_transformers(tiny_model_dir, monke
     monkeypatch.setattr(llama, "CPU_LM_HEAD_SLICE", 100)
     path = tiny_model_dir("llama3")  # tied embeddings: the slices are views of the embedding
     engine = make_engine(path)
-    assert len(engine.runner.model._lm_head_slices) == 4
+    assert len(engine.runner.model.lm_head) == 4
     prompts = random_prompts(5, 3, 40, seed=17)
     results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     for prompt, res in zip(prompts, results):

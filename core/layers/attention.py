@@ -1,4 +1,5 @@
-"""Choose the attention kernel pair (reshape_and_cache + paged_attention) for a device."""
+"""Choose the kernel backend for a device: the module whose paged_attention, reshape_and_cache and
+decoder-layer ops (rms_norm, add_rms_norm, silu_and_mul, rotary_qkv) the model calls."""
 
 from __future__ import annotations
 

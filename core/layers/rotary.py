@@ -1,8 +1,9 @@
 """Rotary position embeddings with the scaling variants Llama-family configs use.
 
-cos/sin are precomputed once in fp32 for every position and gathered per forward by position,
-which is the same arithmetic as Hugging Face (positions * inv_freq in fp32, then cos/sin, then a
-cast to the activation dtype), so greedy outputs stay token-exact.
+cos/sin are precomputed once in fp32 for every position and cast to the model dtype once; the
+kernels gather them per forward by position, which is the same arithmetic as Hugging Face
+(positions * inv_freq in fp32, then cos/sin, then a cast to the activation dtype), so greedy
+outputs stay token-exact. The rotation itself is kernels/reference/layers.apply_rotary.
 """
 
 from __future__ import annotations
@@ -60,16 +61,7 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_tokens, 1, head_dim] each, to broadcast over heads."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim]."""
-    return (x * cos) + (_rotate_half(x) * sin)
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [max_position, head_dim] in the model dtype, as Hugging Face casts them before
+        rotating; the kernels' rotary_qkv gathers rows by position."""
+        return self.cos.to(dtype).contiguous(), self.sin.to(dtype).contiguous()

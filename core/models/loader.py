@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from pagedserve.core.errors import ModelNotFound, UnsupportedModel
+from pagedserve.core.layers.linear import Linear
 from pagedserve.core.models.arch import ModelArch
 from pagedserve.core.models.llama import LayerWeights, LlamaDecoder
 
@@ -57,7 +58,7 @@ def _cat(*parts: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def load_decoder(path: Path, arch: ModelArch, dtype: torch.dtype, device: torch.device,
-                 max_position: int, attention: ModuleType) -> LlamaDecoder:
+                 max_position: int, kernels: ModuleType) -> LlamaDecoder:
     ckpt = _Checkpoint(path, dtype, device)
     layers = []
     for i in range(arch.num_layers):
@@ -65,17 +66,15 @@ def load_decoder(path: Path, arch: ModelArch, dtype: torch.dtype, device: torch.
         attn, mlp = p + "self_attn.", p + "mlp."
         layers.append(LayerWeights(
             input_norm=ckpt.get(p + "input_layernorm.weight"),
-            qkv=_cat(*(ckpt.get(f"{attn}{x}_proj.weight") for x in "qkv")),
-            qkv_bias=_cat(*(ckpt.maybe(f"{attn}{x}_proj.bias") for x in "qkv")),
-            o=ckpt.get(attn + "o_proj.weight"),
-            o_bias=ckpt.maybe(attn + "o_proj.bias"),
+            qkv=Linear(_cat(*(ckpt.get(f"{attn}{x}_proj.weight") for x in "qkv")),
+                       _cat(*(ckpt.maybe(f"{attn}{x}_proj.bias") for x in "qkv"))),
+            o=Linear(ckpt.get(attn + "o_proj.weight"), ckpt.maybe(attn + "o_proj.bias")),
             q_norm=ckpt.get(attn + "q_norm.weight") if arch.qk_norm else None,
             k_norm=ckpt.get(attn + "k_norm.weight") if arch.qk_norm else None,
             post_norm=ckpt.get(p + "post_attention_layernorm.weight"),
-            gate_up=_cat(ckpt.get(mlp + "gate_proj.weight"), ckpt.get(mlp + "up_proj.weight")),
-            gate_up_bias=_cat(ckpt.maybe(mlp + "gate_proj.bias"), ckpt.maybe(mlp + "up_proj.bias")),
-            down=ckpt.get(mlp + "down_proj.weight"),
-            down_bias=ckpt.maybe(mlp + "down_proj.bias"),
+            gate_up=Linear(_cat(ckpt.get(mlp + "gate_proj.weight"), ckpt.get(mlp + "up_proj.weight")),
+                           _cat(ckpt.maybe(mlp + "gate_proj.bias"), ckpt.maybe(mlp + "up_proj.bias"))),
+            down=Linear(ckpt.get(mlp + "down_proj.weight"), ckpt.maybe(mlp + "down_proj.bias")),
         ))
     embed = ckpt.get("model.embed_tokens.weight")
     if arch.tie_word_embeddings or not ckpt.has("lm_head.weight"):
@@ -88,4 +87,4 @@ def load_decoder(path: Path, arch: ModelArch, dtype: torch.dtype, device: torch.
     leftovers = [n for n in ckpt.unused() if not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight"]
     if leftovers:
         raise UnsupportedModel(f"checkpoint tensors not understood: {leftovers[:5]} (total {len(leftovers)})")
-    return LlamaDecoder(arch, embed, layers, norm, lm_head, max_position, attention)
+    return LlamaDecoder(arch, embed, layers, norm, lm_head, max_position, kernels)
