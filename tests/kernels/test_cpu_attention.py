@@ -34,9 +34,13 @@ def run_both(specs, *, num_kv_heads, group, head_dim, block_size, window=None, d
     return out, reference.paged_attention(**args, scale=scale, sliding_window=window)
 
 
-# head_dim 36: not a multiple of 8, so the kernel takes its scalar dot-product path.
+# head_dim 36: not a multiple of 8, so the kernel takes its scalar dot-product path. head_dim 64
+# and 128 take the vector path, which reads 32 positions per step across blocks and serves up to
+# 4 (64) or 2 (128) query heads per pass over a KV head: groups 5 and 7 take uneven passes, blocks
+# of 48 and 64 slots are longer than a step.
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size",
-                         [(3, 3, 64, 16), (2, 1, 64, 1), (1, 8, 128, 16), (4, 2, 32, 32), (2, 3, 80, 7), (2, 3, 36, 16)])
+                         [(3, 3, 64, 16), (2, 1, 64, 1), (1, 8, 128, 16), (4, 2, 32, 32), (2, 3, 80, 7), (2, 3, 36, 16),
+                          (2, 5, 64, 64), (1, 7, 64, 48), (2, 3, 128, 5), (1, 4, 64, 16)])
 @pytest.mark.parametrize("specs", [DECODES, MIXED], ids=["decodes", "mixed"])
 def test_matches_dense_and_reference(specs, num_kv_heads, group, head_dim, block_size):
     out, ref = run_both(specs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, block_size=block_size)
@@ -55,7 +59,8 @@ CACHE_CASES = [(torch.bfloat16, False)] + [(d, static) for d in QUANT_KV_DTYPES 
 @pytest.mark.parametrize("cache_dtype,static", CACHE_CASES,
                          ids=[f"{d}-{'static' if s else 'dynamic'}" for d, s in CACHE_CASES])
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,window",
-                         [(3, 3, 64, 16, None), (2, 1, 64, 1, 50), (1, 8, 128, 16, None)])
+                         [(3, 3, 64, 16, None), (2, 1, 64, 1, 50), (1, 8, 128, 16, None), (1, 5, 64, 64, None),
+                          (2, 3, 128, 48, 70)])
 def test_reads_bf16_and_quantized_caches_in_place(cache_dtype, static, num_kv_heads, group, head_dim, block_size,
                                                    window):
     # Queries and the oracle's K/V are the exact values the cache holds (dequantized codes); unused
