@@ -18,12 +18,44 @@ from torch import Tensor
 
 from pagedserve.kernels import reference
 from pagedserve.kernels.cpu.build import load_extension
+from pagedserve.kernels.kv_quant import scale_mode
 from pagedserve.kernels.reference.attention import check_paged_attention_args, prefill_attention
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _READS_IN_PLACE = (torch.float32, torch.bfloat16, torch.int8, *_FP8)
 _FP32_BF16 = (torch.float32, torch.bfloat16)
+
+
+class _LastBatch:
+    """The host-side metadata of the last batch seen. Every layer of a forward pass passes the same
+    block_table / query_start_loc / seq_lens tensors, so their checks and .tolist() reads (about
+    150 us per call with 64 sequences; 1.5 s of a 23 s benchmark run across 30 layers) run once
+    per batch. A hit needs the very same tensor objects, unmodified (`_version`), and the same
+    scalar arguments and shapes."""
+
+    key: tuple = ()
+    value: tuple[list[int], list[int], list[int], str] | None = None
+
+
+def _checked_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, max_query_len,
+                  max_seq_len, sliding_window, k_scale, v_scale) -> tuple[list[int], list[int], list[int], str]:
+    """check_paged_attention_args, its batch part cached (_LastBatch); the scales (per layer) are
+    checked on every call."""
+    tensors = (query_start_loc, seq_lens, block_table)
+    # The cache checks depend only on these properties, so another layer's cache with the same
+    # ones passes them too.
+    key = (tuple(t._version for t in tensors), max_query_len, max_seq_len, sliding_window, query.shape, query.dtype,
+           key_cache.shape, value_cache.shape, key_cache.dtype, value_cache.dtype, key_cache.is_contiguous(),
+           value_cache.is_contiguous())
+    last = _LastBatch.value
+    if last is not None and _LastBatch.key[1:] == key and all(a is b for a, b in zip(_LastBatch.key[0], tensors)):
+        return (*last[:3], scale_mode(key_cache, k_scale, v_scale))
+    value = check_paged_attention_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+                                       max_query_len, max_seq_len, sliding_window, k_scale, v_scale)
+    # The tensors themselves are held, so a new tensor can never pass for one of them.
+    _LastBatch.key, _LastBatch.value = (tensors, *key), value
+    return value
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,7 +88,7 @@ def paged_attention(
     if not (query.dtype in _FP32_BF16 and key_cache.dtype in _READS_IN_PLACE and query.is_contiguous()):
         return reference.paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
                                          scale, max_query_len, max_seq_len, sliding_window, k_scale, v_scale)
-    starts, lens, q_lens, mode = check_paged_attention_args(
+    starts, lens, q_lens, mode = _checked_args(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, max_query_len, max_seq_len,
         sliding_window, k_scale, v_scale)
     out = torch.empty_like(query)
@@ -70,6 +102,8 @@ def paged_attention(
     # Prefill rows (left untouched by the kernel) through the reference's SDPA, in bf16 where the
     # queries and the cache are bf16 (CPU flash attention accumulates in fp32, as Hugging Face's
     # bf16 SDPA does; measured 2.5-3x faster than fp32 on AMX).
+    if max_query_len <= 1:  # decode rows only: the kernel wrote them all
+        return out
     both_bf16 = query.dtype == key_cache.dtype == torch.bfloat16
     prefill_attention(query, key_cache, value_cache, block_table, starts, lens, q_lens, mode, scale,
                       sliding_window, k_scale, v_scale, out, torch.bfloat16 if both_bf16 else torch.float32)

@@ -130,6 +130,28 @@ def test_bf16_queries_run_through_the_kernel(specs, cache_dtype, monkeypatch):
     torch.testing.assert_close(out, ref, atol=8e-3, rtol=8e-3)
 
 
+def test_batch_checks_run_once_per_batch_and_again_when_it_changes(monkeypatch):
+    """The layers of one forward pass share the batch's metadata tensors, so its host-side checks
+    run once; an in-place change to a metadata tensor or a new batch is checked again."""
+    import pagedserve.kernels.cpu.attention as cpu_attention
+
+    calls = []
+    real = cpu_attention.check_paged_attention_args
+    monkeypatch.setattr(cpu_attention, "check_paged_attention_args", lambda *a: calls.append(1) or real(*a))
+    args, _ = make_batch(DECODES, num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.float32)
+    want = reference.paged_attention(**args, scale=0.125)
+    for _layer in range(3):
+        torch.testing.assert_close(cpu.paged_attention(**args, scale=0.125), want, atol=2e-5, rtol=2e-5)
+    assert len(calls) == 1
+    other, _ = make_batch(MIXED, num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.float32, seed=1)
+    torch.testing.assert_close(cpu.paged_attention(**other, scale=0.125),
+                               reference.paged_attention(**other, scale=0.125), atol=2e-5, rtol=2e-5)
+    assert len(calls) == 2
+    args["seq_lens"][0] = args["block_table"].shape[1] * 16 + 1  # in place: past the block table
+    with pytest.raises(AssertionError, match="max_seq_len"):
+        cpu.paged_attention(**args, scale=0.125)
+
+
 def test_the_kernel_rejects_what_it_cannot_read():
     args, _ = make_batch(DECODES, num_kv_heads=1, group=1, head_dim=64, block_size=16, dtype=torch.float32)
     ext = cpu.load_extension()
