@@ -7,7 +7,10 @@ each request's token ids to --tokens-out.
 
 Only the standard library and the side's own engine are imported, so the vLLM side runs in a
 virtualenv that has no pagedserve. Both sides load, run an 8-token warm-up request, then time
-one `generate` over every request (greedy, EOS ignored, no detokenization).
+one `generate` over every request (greedy, EOS ignored, no detokenization). After it, two
+single-request latencies the same way on both sides (best of 3): a 512-token prompt with one
+output token (prefill tok/s), and a 128-token prompt decoded for 1 and for 65 tokens (the
+difference / 64 is the batch-1 decode time per token).
 """
 
 from __future__ import annotations
@@ -19,7 +22,30 @@ import time
 WARMUP_IDS = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
-def run_vllm(args: argparse.Namespace, requests: list[dict]) -> tuple[float, float, list[list[int]]]:
+LATENCY_REPEATS = 3
+
+
+def latencies(generate_one, requests: list[dict]) -> dict:
+    """generate_one(prompt_ids, max_tokens) runs one request to completion. Prompts are sliced from
+    the workload's own prompts (real token ids), repeated where they are shorter."""
+    tokens = [t for r in requests for t in r["prompt_ids"]]
+    while len(tokens) < 1128:
+        tokens += tokens
+
+    def best(prompt: list[int], max_tokens: int) -> float:
+        times = []
+        for _ in range(LATENCY_REPEATS):
+            start = time.perf_counter()
+            generate_one(prompt, max_tokens)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    prefill_512 = best(tokens[:512], 1)
+    first, longer = best(tokens[1000:1128], 1), best(tokens[1000:1128], 65)
+    return {"prefill_512_tok_s": 512 / prefill_512, "decode_b1_ms": (longer - first) / 64 * 1e3}
+
+
+def run_vllm(args: argparse.Namespace, requests: list[dict]) -> tuple[float, float, list[list[int]], dict]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -37,10 +63,15 @@ def run_vllm(args: argparse.Namespace, requests: list[dict]) -> tuple[float, flo
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall_s = time.perf_counter() - start
-    return load_s, wall_s, [list(o.outputs[0].token_ids) for o in outputs]
+
+    def generate_one(prompt: list[int], max_tokens: int) -> None:
+        llm.generate([TokensPrompt(prompt_token_ids=prompt)], [SamplingParams(max_tokens=max_tokens, **greedy)],
+                     use_tqdm=False)
+
+    return load_s, wall_s, [list(o.outputs[0].token_ids) for o in outputs], latencies(generate_one, requests)
 
 
-def run_pagedserve(args: argparse.Namespace, requests: list[dict]) -> tuple[float, float, list[list[int]]]:
+def run_pagedserve(args: argparse.Namespace, requests: list[dict]) -> tuple[float, float, list[list[int]], dict]:
     from pagedserve.core.config import EngineConfig
     from pagedserve.core.engine import LLMEngine
     from pagedserve.core.sampling_params import SamplingParams
@@ -55,7 +86,11 @@ def run_pagedserve(args: argparse.Namespace, requests: list[dict]) -> tuple[floa
     start = time.perf_counter()
     results = engine.generate([r["prompt_ids"] for r in requests], params)
     wall_s = time.perf_counter() - start
-    return load_s, wall_s, [list(r.token_ids) for r in results]
+
+    def generate_one(prompt: list[int], max_tokens: int) -> None:
+        engine.generate([prompt], [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)])
+
+    return load_s, wall_s, [list(r.token_ids) for r in results], latencies(generate_one, requests)
 
 
 def main() -> None:
@@ -71,11 +106,11 @@ def main() -> None:
     with open(args.workload, encoding="utf-8") as f:
         requests = json.load(f)["requests"]
     run = run_vllm if args.side == "vllm" else run_pagedserve
-    load_s, wall_s, tokens = run(args, requests)
+    load_s, wall_s, tokens, latency = run(args, requests)
     with open(args.tokens_out, "w", encoding="utf-8") as f:
         json.dump(tokens, f)
     print("RESULT " + json.dumps({"load_s": load_s, "wall_s": wall_s,
-                                  "output_tokens": sum(len(t) for t in tokens)}), flush=True)
+                                  "output_tokens": sum(len(t) for t in tokens), **latency}), flush=True)
 
 
 if __name__ == "__main__":  # vLLM starts its engine core with multiprocessing: the guard is required

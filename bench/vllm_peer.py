@@ -15,6 +15,9 @@ one timed `generate` over the whole workload, greedy with EOS ignored and no det
 max_num_seqs 64, chunked prefill on and prefix caching off for both. The parent samples each
 child's process tree RSS every 0.1 s (vLLM runs its engine core in a second process).
 
+Then, per side, two single-request latencies (bench/vllm_child.py): 512-token prefill tok/s and
+batch-1 decode ms per token after a 128-token prompt.
+
 Output: per side the load time, wall time, output tok/s, prompt tok/s and peak RSS; the greedy
 agreement of the first 16 tokens (a sanity check: bf16 reductions in another order flip near-ties);
 and LAST the line `ratio pagedserve/vllm (<dtype>): X.XXx` (output tok/s). If vLLM cannot be
@@ -133,7 +136,9 @@ def run_side(side: str, python: Path, env: dict[str, str], args: argparse.Namesp
 
 def side_result(name: str, result: dict, peak: int, workload, dtype: str) -> RunResult:
     extra = {"dtype": dtype, "prompt tok/s": f"{workload.total_prompt_tokens / result['wall_s']:.1f}",
-             "load_s": f"{result['load_s']:.1f}", "peak_rss": f"{peak / 2**30:.2f} GiB"}
+             "load_s": f"{result['load_s']:.1f}", "peak_rss": f"{peak / 2**30:.2f} GiB",
+             "prefill_512 tok/s": f"{result['prefill_512_tok_s']:.0f}",
+             "decode_b1 ms/token": f"{result['decode_b1_ms']:.1f}"}
     return RunResult(name, result["wall_s"], workload.total_prompt_tokens, result["output_tokens"], extra)
 
 
@@ -204,6 +209,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{OTHER_HOST.get(dtype, 'no figures for this dtype')}")
         return
     print(agreement(tokens["pagedserve"], tokens["vllm"]))
+    ours, peer = (results[side].extra for side in ("pagedserve", "vllm"))
+    print(f"[latency] batch-1 decode {ours['decode_b1 ms/token']} vs {peer['decode_b1 ms/token']} ms/token, "
+          f"512-token prefill {ours['prefill_512 tok/s']} vs {peer['prefill_512 tok/s']} tok/s (pagedserve vs vllm)")
     print_summary([results["pagedserve"], results["vllm"]])
     ratio = results["pagedserve"].output_tokens_per_s / results["vllm"].output_tokens_per_s
     print(f"ratio pagedserve/vllm ({dtype}): {ratio:.2f}x")

@@ -24,6 +24,7 @@ def test_without_vllm_reports_pagedserve_and_no_ratio(tiny_model_dir, tmp_path):
     lines = out.stdout.strip().splitlines()
     ours = next(line for line in lines if line.startswith("[pagedserve]"))
     assert "(9 useful output tokens)" in ours and "dtype=float32" in ours and "peak_rss=" in ours
+    assert "decode_b1 ms/token=" in ours and "prefill_512 tok/s=" in ours
     assert "without --no-install" in out.stdout  # says why there is no peer and how to get one
     assert lines[-1].startswith("ratio pagedserve/vllm (float32): not measured here")
     assert "from another host" in lines[-1]
