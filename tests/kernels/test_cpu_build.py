@@ -1,0 +1,113 @@
+"""kernels/cpu/build.py: build once (a list of .cpp sources hashed together), then import the built
+library directly, without torch.utils.cpp_extension, unless something it depends on changed."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import pagedserve.kernels.cpu.build as cpu_build
+from pagedserve.core.errors import ConfigError
+from pagedserve.core.layers.attention import select_attention_backend
+from pagedserve.kernels import reference
+
+
+def use_sources(monkeypatch, folder):
+    monkeypatch.setattr(cpu_build, "HERE", folder)
+    monkeypatch.setattr(cpu_build, "SOURCES", tuple(sorted(folder.glob("*.cpp"))))
+    monkeypatch.setattr(cpu_build, "HEADERS", tuple(sorted(folder.glob("*.h"))))
+
+
+def test_without_a_compiler_or_a_built_library_auto_falls_back_and_cpu_fails(monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("PATH", os.environ["PATH"])  # restored afterwards: the loader may extend it
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built there
+    monkeypatch.setattr(cpu_build.shutil, "which", lambda tool: None)
+    cpu_build.load_extension.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert select_attention_backend("auto", torch.device("cpu")) is reference
+        assert "c++ and ninja not found" in caplog.text
+        with pytest.raises(ConfigError, match="attention_backend='cpu'.*not found on PATH"):
+            select_attention_backend("cpu", torch.device("cpu"))
+    finally:
+        cpu_build.load_extension.cache_clear()
+
+
+def test_the_build_name_follows_every_source_header_flags_and_checkout(monkeypatch, tmp_path):
+    name = cpu_build.extension_name()
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for src in cpu_build.SOURCES:
+        (copy / src.name).write_bytes(src.read_bytes())
+    use_sources(monkeypatch, copy)
+    names = [cpu_build.extension_name()]
+    assert names[0] != name  # another checkout never shares this one's build
+    (copy / "extra.cpp").write_text("// a second translation unit\n")
+    use_sources(monkeypatch, copy)
+    names.append(cpu_build.extension_name())
+    (copy / "extra.cpp").write_text("// a second translation unit, edited\n")
+    names.append(cpu_build.extension_name())
+    (copy / "shared.h").write_text("#pragma once\n")
+    use_sources(monkeypatch, copy)
+    names.append(cpu_build.extension_name())
+    monkeypatch.setattr(cpu_build, "CFLAGS", [*cpu_build.CFLAGS, "-DX"])
+    names.append(cpu_build.extension_name())
+    assert len(set(names)) == len(names), names
+
+
+# Plain Python C API, no torch headers: each unit compiles in well under a second.
+TWO_SOURCES = {
+    "answer.cpp": "int pagedserve_test_answer(int x) { return 2 * x + 1; }\n",
+    "bind.cpp": textwrap.dedent("""\
+        #include <Python.h>
+        int pagedserve_test_answer(int x);
+        static PyObject* answer(PyObject*, PyObject* x) { return PyLong_FromLong(pagedserve_test_answer(PyLong_AsLong(x))); }
+        static PyMethodDef methods[] = {{"answer", answer, METH_O, ""}, {nullptr, nullptr, 0, nullptr}};
+        #define STR_(x) #x
+        #define STR(x) STR_(x)
+        #define CAT_(a, b) a##b
+        #define CAT(a, b) CAT_(a, b)
+        static PyModuleDef module = {PyModuleDef_HEAD_INIT, STR(TORCH_EXTENSION_NAME), nullptr, -1, methods};
+        PyMODINIT_FUNC CAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&module); }
+        """),
+}
+
+
+def test_a_list_of_sources_builds_once_then_loads_directly(monkeypatch, tmp_path):
+    """Two translation units make one library; the second load imports it without building, a
+    changed source builds again, and a stamp for other sources is never trusted."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, text in TWO_SOURCES.items():
+        (src / name).write_text(text)
+    use_sources(monkeypatch, src)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "builds"))
+    builds = []
+    real_build = cpu_build._build
+    monkeypatch.setattr(cpu_build, "_build", lambda *a: builds.append(a[0]) or real_build(*a))
+    load = cpu_build.load_extension.__wrapped__  # the uncached function: every call loads afresh
+    assert load().answer(20) == 41 and len(builds) == 1
+    first = builds[0]
+    assert (tmp_path / "builds" / first / cpu_build.STAMP).read_text().strip() == cpu_build.source_digest()
+    assert load().answer(3) == 7 and len(builds) == 1  # loaded directly
+    (src / "answer.cpp").write_text(TWO_SOURCES["answer.cpp"].replace("2 * x + 1", "3 * x"))
+    assert load().answer(3) == 9 and len(builds) == 2 and builds[1] != first
+    # A stamp that names other sources (e.g. a build that was interrupted and redone elsewhere) is a miss.
+    (tmp_path / "builds" / builds[1] / cpu_build.STAMP).write_text("0" * 64 + "\n")
+    assert load().answer(3) == 9 and len(builds) == 3
+
+
+def test_a_fresh_process_loads_the_built_kernels_without_cpp_extension():
+    """What every server start does once setup.sh has built the kernels."""
+    cpu_build.load_extension()  # built already by setup.sh, or now
+    code = ("import sys, torch; from pagedserve.kernels.cpu.build import load_extension; "
+            "m = load_extension(); print(hasattr(m, 'paged_decode_attention'), "
+            "'torch.utils.cpp_extension' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False"], out
