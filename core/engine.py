@@ -108,7 +108,12 @@ class LLMEngine:
             free, _total = torch.cuda.mem_get_info(self.device)
             budget = int(free * cc.gpu_memory_utilization)
         else:
+            # The CPU default is a cap, not a reservation: no more than max_num_seqs sequences of
+            # max_model_len tokens can ever need (blocks are also only touched when used, see
+            # cache_tensors.lazy_zeros), so kv_cache_usage_perc is a share of a pool that can fill.
             budget = DEFAULT_CPU_KV_CACHE_MEMORY
+            blocks_per_seq = -(-self.max_model_len // cc.block_size)
+            budget = min(budget, self.config.scheduler.max_num_seqs * blocks_per_seq * per_block)
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ConfigError(
