@@ -2,8 +2,9 @@
 directly.
 
 Every ``*.cpp`` beside this file is one translation unit of the extension (``*.h`` may hold what
-they share). The extension's name is a hash of all of them, the flags, torch's and Python's
-versions and this folder's path (two checkouts never share a build). The build lands in
+they share). The extension's name is a hash of all of them, the flags and torch's and Python's
+versions: checkouts and installs with the same sources share one build, any difference makes its
+own. The build lands in
 ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) under ``<name>/``, and a stamp
 holding the full hash is written beside the library once it has been built and imported.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import importlib.util
 import os
 import platform
@@ -47,13 +49,13 @@ class CpuKernelsUnavailable(RuntimeError):
 
 
 def source_digest() -> str:
-    """Hash of everything the built library depends on: any change means another build."""
-    import torch
-
+    """Hash of everything the built library depends on: any change means another build. Reads
+    torch's version from its metadata, so checking a build does not import torch."""
     h = hashlib.sha256()
     for path in (*SOURCES, *HEADERS):
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    for part in (" ".join(CFLAGS), " ".join(LDFLAGS), torch.__version__, sys.version, platform.machine(), str(HERE)):
+    torch_version = importlib.metadata.version("torch")
+    for part in (" ".join(CFLAGS), " ".join(LDFLAGS), torch_version, sys.version, platform.machine()):
         h.update(part.encode() + b"\0")
     return h.hexdigest()
 
@@ -79,14 +81,30 @@ def _import_library(name: str, library: Path) -> ModuleType:
     return module
 
 
-def _load_built(name: str, build_dir: Path, digest: str) -> ModuleType | None:
-    """The library built earlier for exactly these sources, or None (then build)."""
-    stamp, library = build_dir / STAMP, build_dir / f"{name}.so"
+def _built_library(name: str, build_dir: Path, digest: str) -> Path | None:
+    """The library built earlier for exactly these sources, if there is one."""
+    library = build_dir / f"{name}.so"
     try:
-        if stamp.read_text().strip() != digest or not library.is_file():
-            return None
+        return library if (build_dir / STAMP).read_text().strip() == digest and library.is_file() else None
+    except OSError:
+        return None
+
+
+def is_built() -> bool:
+    """Whether these sources were built here already (checked without importing torch)."""
+    digest = source_digest()
+    return _built_library(extension_name(digest), build_root() / extension_name(digest), digest) is not None
+
+
+def _load_built(name: str, build_dir: Path, digest: str) -> ModuleType | None:
+    library = _built_library(name, build_dir, digest)
+    if library is None:
+        return None
+    import torch  # noqa: F401 - the library links libtorch: load it first
+
+    try:
         return _import_library(name, library)
-    except (OSError, ImportError):
+    except ImportError:
         return None  # a stale or foreign library: rebuild it
 
 
@@ -133,7 +151,12 @@ def load_extension() -> ModuleType:
     return _load_built(name, build_dir, digest) or _build(name, build_dir, digest)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pagedserve.kernels.cpu [--if-needed]`: build (or check) and load the kernels;
+    --if-needed returns at once when they are built already (scripts/setup.sh)."""
+    if "--if-needed" in (sys.argv[1:] if argv is None else argv) and is_built():
+        print("pagedserve: CPU kernels already built")
+        return 0
     try:
         load_extension()
     except CpuKernelsUnavailable as exc:
