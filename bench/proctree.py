@@ -56,3 +56,19 @@ def tree_rss(root: int) -> tuple[int, dict[str, int]]:
         total += rss
         parts[name] = parts.get(name, 0) + rss
     return total, parts
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU time (user + system) used so far by `root` and its live descendants, including the
+    children they have already waited for. On a busy machine this, unlike wall time, does not
+    grow with what other processes run."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid, _name in process_tree(root):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+    return total / ticks
