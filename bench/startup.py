@@ -279,10 +279,11 @@ def bare_triton() -> None:
     from pagedserve.adapters.triton_server.launcher import start_server
 
     http, grpc, metrics = free_ports(3)
-    with tempfile.TemporaryDirectory() as repo:
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "repo").mkdir()
         t0 = time.monotonic()
-        server = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, timeout=60,
-                              log_path=Path(repo) / "tritonserver.log")
+        server = start_server(Path(tmp) / "repo", http_port=http, grpc_port=grpc, metrics_port=metrics, timeout=60,
+                              log_path=Path(tmp) / "tritonserver.log")
         ready = time.monotonic() - t0
         rss, _ = tree_rss(server.process.pid)
         server.stop()
