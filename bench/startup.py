@@ -13,12 +13,14 @@ Per launcher, in this order (one launcher at a time, never two servers at once):
    `stream: true`) sent at READY; the clock stops at its first streamed token;
 4. unless --no-workload: the workload (bench/common.py: --workload FILE or the seeded generated
    one) sent all at once, non-streaming, one HTTP client thread per request;
-5. the server is stopped as Ctrl-C / SIGTERM would.
+5. 2 s idle (the engine hands freed heap back on going idle), the last RSS sample; the server is
+   stopped as Ctrl-C / SIGTERM would.
 
 RSS is summed over the launcher's whole process tree (pagedserve, tritonserver and its Python
 backend stubs; the kserve server) from /proc every 100 ms: the peak until the first token, the
-peak over the whole run, and the value once the workload has finished. Shared pages count once per
-process (what `ps` and the kernel's OOM accounting see).
+peak over the whole run, and the value at the end. Shared pages count once per process (what `ps`
+and the kernel's OOM accounting see). The CPU time the tree used until READY is printed beside the
+wall time: on a busy machine it, unlike wall time, does not grow with other processes' work.
 
 --breakdown also times the pieces in fresh interpreters (imports, the C++ kernel load, the engine's
 own phases, a bare tritonserver with no model) so the totals can be read.
@@ -52,16 +54,23 @@ from pagedserve.adapters.local_ports import free_ports  # noqa: E402
 
 PROMPT = "What is a paged KV cache?"
 MODEL_NAME = "pagedserve"
+SETTLE_S = 2.0
+"""Idle seconds before the final RSS sample."""
 VLLM_FROM_ISSUE = "vLLM CPU build (issue 15's figures, measured on that issue's host, not here): " \
                   "60-90 s to load, 4.8-5.4 GB peak RSS"
 
 
 # -- the process tree's memory ----------------------------------------------------------------------
 class RssSampler(threading.Thread):
+    """Samples the tree's RSS every `interval`; also notices when this process was not scheduled
+    for a while (`stalled_s`): a benchmark that stops other processes (SIGSTOP) to get a quiet
+    machine would otherwise silently add its pause to every wall time measured here."""
+
     def __init__(self, root: int, interval: float = 0.1) -> None:
         super().__init__(daemon=True)
         self.root, self.interval = root, interval
         self.peak, self.peak_parts, self.last, self.last_parts = 0, {}, 0, {}
+        self.stalled_s = 0.0
         self.done = threading.Event()
 
     def sample(self) -> int:
@@ -72,9 +81,13 @@ class RssSampler(threading.Thread):
         return total
 
     def run(self) -> None:
+        last = time.monotonic()
         while not self.done.is_set():
             self.sample()
             self.done.wait(self.interval)
+            now = time.monotonic()
+            self.stalled_s += max(0.0, now - last - 1.0)  # far beyond the interval: we were stopped
+            last = now
 
 
 # -- talking to the servers (plain HTTP, stdlib only) -----------------------------------------------
@@ -170,6 +183,8 @@ class Figures:
     after_parts: dict[str, int] = field(default_factory=dict)
     workload_s: float = float("nan")
     workload_tokens: int = 0
+    stalled_to_first_token_s: float = 0.0
+    stalled_s: float = 0.0
 
 
 def measure(name: str, model: str, requests, log_dir: Path, timeout: float) -> Figures:
@@ -191,15 +206,16 @@ def measure(name: str, model: str, requests, log_dir: Path, timeout: float) -> F
         fig.ready_cpu_s = tree_cpu_seconds(proc.pid)
         fig.first_token_s = launcher.first_token() - start
         sampler.sample()
-        fig.startup_peak = sampler.peak
+        fig.startup_peak, fig.stalled_to_first_token_s = sampler.peak, sampler.stalled_s
         if requests:
             t0 = time.monotonic()
             with ThreadPoolExecutor(len(requests)) as pool:
                 fig.workload_tokens = sum(pool.map(lambda r: launcher.one(*r), requests))
             fig.workload_s = time.monotonic() - t0
+        time.sleep(SETTLE_S)  # idle: the engine hands freed heap back (core/heap.py)
         sampler.sample()
         fig.after_workload, fig.after_parts = sampler.last, sampler.last_parts
-        fig.run_peak = sampler.peak
+        fig.run_peak, fig.stalled_s = sampler.peak, sampler.stalled_s
     finally:
         sampler.done.set()
         tree = process_tree(proc.pid)
@@ -316,18 +332,28 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="pagedserve-startup-") as tmp:
         for name in names:
             fig = measure(name, args.model, requests, Path(tmp), args.timeout)
-            parts = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(fig.after_parts.items(), key=lambda kv: -kv[1]))
-            print(f"[{name}] READY {fig.ready_s:.2f}s (CPU time of the tree {fig.ready_cpu_s:.2f}s), first token {fig.first_token_s:.2f}s, "
-                  f"peak RSS to first token {fig.startup_peak / 2**20:.0f} MiB"
-                  + (f"; workload {len(requests)} requests, {fig.workload_tokens} tokens in {fig.workload_s:.1f}s"
-                     if requests else "")
-                  + f"; RSS at the end {fig.after_workload / 2**20:.0f} MiB ({parts})", flush=True)
+            report(fig, len(requests))
             results.append(fig)
-    print(f"{'launcher':<10}{'READY s':>10}{'1st token s':>13}{'peak RSS MiB':>14}{'end RSS MiB':>13}")
+    print(f"{'launcher':<10}{'READY s':>9}{'(CPU s)':>9}{'1st token s':>13}{'peak RSS MiB':>14}{'end RSS MiB':>13}")
     for f in results:
-        print(f"{f.launcher:<10}{f.ready_s:>10.2f}{f.first_token_s:>13.2f}{f.run_peak / 2**20:>14.0f}"
-              f"{f.after_workload / 2**20:>13.0f}")
+        print(f"{f.launcher:<10}{f.ready_s:>9.2f}{f.ready_cpu_s:>9.2f}{f.first_token_s:>13.2f}"
+              f"{f.run_peak / 2**20:>14.0f}{f.after_workload / 2**20:>13.0f}")
     print(VLLM_FROM_ISSUE)
+
+
+def report(fig: Figures, num_requests: int) -> None:
+    mib = 2**20
+    parts = ", ".join(f"{k} {v / mib:.0f}" for k, v in sorted(fig.after_parts.items(), key=lambda kv: -kv[1]))
+    print(f"[{fig.launcher}] READY {fig.ready_s:.2f}s (CPU time of the tree {fig.ready_cpu_s:.2f}s), "
+          f"first token {fig.first_token_s:.2f}s, peak RSS to the first token {fig.startup_peak / mib:.0f} MiB", flush=True)
+    if num_requests:
+        print(f"[{fig.launcher}] workload: {num_requests} requests, {fig.workload_tokens} tokens in "
+              f"{fig.workload_s:.1f}s; peak RSS {fig.run_peak / mib:.0f} MiB", flush=True)
+    print(f"[{fig.launcher}] RSS at the end (idle {SETTLE_S:.0f}s): {fig.after_workload / mib:.0f} MiB ({parts})",
+          flush=True)
+    if fig.stalled_s:
+        print(f"[{fig.launcher}] WARNING: this process was stopped for {fig.stalled_s:.1f}s during the run "
+              f"({fig.stalled_to_first_token_s:.1f}s before the first token): wall times are not valid", flush=True)
 
 
 if __name__ == "__main__":
