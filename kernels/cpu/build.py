@@ -15,7 +15,9 @@ Loading, in order:
   and check the compiler each time, about 2 s on 2 cores, before finding nothing to do;
 * otherwise build on demand through ``cpp_extension.load`` (about a minute on 2 cores, once;
   ``scripts/setup.sh`` runs it, ``python -m pagedserve.kernels.cpu``), then write the stamp.
-  Concurrent first builds (two engines starting at once) wait on torch's build lock.
+  Concurrent first builds (two engines starting at once) wait on one flock per build directory,
+  and the one that waited loads what the first built. torch's own lock file, which a killed build
+  leaves behind and every later build would wait on forever, is cleared under it (build_lock.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
+
+if __package__:
+    from .build_lock import exclusive_build
+else:  # run as a file (scripts/setup.sh): this folder is sys.path[0]
+    from build_lock import exclusive_build
 
 HERE = Path(__file__).resolve().parent
 SOURCES: tuple[Path, ...] = tuple(sorted(HERE.glob("*.cpp")))
@@ -126,19 +133,22 @@ def _build(name: str, build_dir: Path, digest: str) -> ModuleType:
                                     "`pip install ninja`), or set attention_backend='reference'")
     if not SOURCES:
         raise CpuKernelsUnavailable(f"no C++ sources in {HERE}; reinstall pagedserve")
-    try:
-        from torch.utils.cpp_extension import load
+    with exclusive_build(build_dir):
+        module = _load_built(name, build_dir, digest)  # built by the process this one waited for
+        if module is not None:
+            return module
+        try:
+            from torch.utils.cpp_extension import load
 
-        build_dir.mkdir(parents=True, exist_ok=True)
-        # Copies of the flags: load() appends torch's own libraries to the lists it is given.
-        module = load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                      extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), verbose=False)
-    except Exception as exc:  # noqa: BLE001 - compiler output varies; keep its message
-        raise CpuKernelsUnavailable(f"building the C++ CPU kernels failed: {exc}") from exc
-    tmp = build_dir / f"{STAMP}.{os.getpid()}"
-    tmp.write_text(digest + "\n")
-    tmp.replace(build_dir / STAMP)  # atomic: a concurrent loader sees the old stamp or the new one
-    return module
+            # Copies of the flags: load() appends torch's own libraries to the lists it is given.
+            module = load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                          extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), verbose=False)
+        except Exception as exc:  # noqa: BLE001 - compiler output varies; keep its message
+            raise CpuKernelsUnavailable(f"building the C++ CPU kernels failed: {exc}") from exc
+        tmp = build_dir / f"{STAMP}.{os.getpid()}"
+        tmp.write_text(digest + "\n")
+        tmp.replace(build_dir / STAMP)  # atomic: a concurrent loader sees the old stamp or the new one
+        return module
 
 
 @functools.lru_cache(maxsize=1)

@@ -110,3 +110,88 @@ def test_a_fresh_process_loads_the_built_kernels_without_cpp_extension():
             "'torch.utils.cpp_extension' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "False"], out
+
+
+def two_source_build(monkeypatch, tmp_path, tag):
+    """The two-unit test extension as this process's sources, built under tmp_path; returns its
+    build directory. `tag` makes the sources, hence the build's name, this test's own (torch
+    renames a build whose name this process already built elsewhere)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, text in TWO_SOURCES.items():
+        (src / name).write_text(f"// {tag}\n{text}")
+    use_sources(monkeypatch, src)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "builds"))
+    build_dir = tmp_path / "builds" / cpu_build.extension_name()
+    build_dir.mkdir(parents=True)
+    return build_dir
+
+
+# Takes torch's own build lock (the file cpp_extension.load creates) in argv[1], then either dies
+# holding it, as a killed build does, or holds it for argv[3] seconds and releases it.
+TORCH_BUILD = textwrap.dedent("""\
+    import os, signal, sys, time
+    from torch.utils.file_baton import FileBaton
+    baton = FileBaton(os.path.join(sys.argv[1], "lock"))
+    assert baton.try_acquire()
+    print("held", flush=True)
+    if sys.argv[2] == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(float(sys.argv[3]))
+    baton.release()  # raises if someone removed the lock meanwhile
+    """)
+
+
+@pytest.mark.timeout(300)  # without the fix cpp_extension.load waits on the left lock forever
+def test_a_lock_left_by_a_killed_build_is_removed_and_the_build_goes_on(monkeypatch, tmp_path, caplog):
+    build_dir = two_source_build(monkeypatch, tmp_path, "killed")
+    killed = subprocess.run([sys.executable, "-c", TORCH_BUILD, str(build_dir), "killed"], capture_output=True, text=True)
+    assert killed.returncode == -9 and (build_dir / "lock").exists()
+    with caplog.at_level(logging.WARNING):
+        assert cpu_build.load_extension.__wrapped__().answer(20) == 41
+    assert "left by a build of the CPU kernels that was killed" in caplog.text
+    assert not (build_dir / "lock").exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_build_running_outside_the_lock_is_waited_for_not_broken(monkeypatch, tmp_path, caplog):
+    """A live holder of torch's lock is building right now: its lock stays, and the load waits for it
+    and imports what it built (here built beforehand, its stamp removed)."""
+    build_dir = two_source_build(monkeypatch, tmp_path, "alive")
+    load = cpu_build.load_extension.__wrapped__
+    assert load().answer(3) == 7
+    (build_dir / cpu_build.STAMP).unlink()
+    holder = subprocess.Popen([sys.executable, "-c", TORCH_BUILD, str(build_dir), "alive", "4"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with caplog.at_level(logging.WARNING):
+            assert load().answer(3) == 7
+        assert holder.wait(timeout=60) == 0, holder.stderr.read()  # its own release found its lock
+    finally:
+        holder.kill()
+        holder.wait()
+    assert f"waiting for process {holder.pid}" in caplog.text
+
+
+CONCURRENT_LOAD = textwrap.dedent("""\
+    import pathlib, sys
+    import pagedserve.kernels.cpu.build as b
+    src = pathlib.Path(sys.argv[1])
+    b.HERE, b.SOURCES, b.HEADERS = src, tuple(sorted(src.glob("*.cpp"))), ()
+    print(b.load_extension().answer(20), "torch.utils.cpp_extension" in sys.modules)
+    """)
+
+
+@pytest.mark.timeout(300)
+def test_two_first_loads_at_once_build_once(monkeypatch, tmp_path):
+    """Two engines starting together on a machine without the build: one builds, the other waits
+    for it and imports what it built (or, arriving later, finds it built)."""
+    build_dir = two_source_build(monkeypatch, tmp_path, "concurrent")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(build_dir.parent)}
+    procs = [subprocess.Popen([sys.executable, "-c", CONCURRENT_LOAD, str(cpu_build.HERE)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sorted(out.split()[1] for out, _ in outs) == ["False", "True"], outs  # one ran cpp_extension
+    assert all(out.split()[0] == "41" for out, _ in outs), outs
