@@ -43,7 +43,7 @@ def test_the_build_name_follows_every_source_header_and_flag(monkeypatch, tmp_pa
     name = cpu_build.extension_name()
     copy = tmp_path / "copy"
     copy.mkdir()
-    for src in cpu_build.SOURCES:
+    for src in (*cpu_build.SOURCES, *cpu_build.HEADERS):
         (copy / src.name).write_bytes(src.read_bytes())
     use_sources(monkeypatch, copy)
     assert cpu_build.extension_name() == name  # the same sources elsewhere (an installed wheel) share the build
@@ -54,6 +54,8 @@ def test_the_build_name_follows_every_source_header_and_flag(monkeypatch, tmp_pa
     names.append(cpu_build.extension_name())
     (copy / "shared.h").write_text("#pragma once\n")
     use_sources(monkeypatch, copy)
+    names.append(cpu_build.extension_name())
+    (copy / "shared.h").write_text("#pragma once\n// edited\n")
     names.append(cpu_build.extension_name())
     monkeypatch.setattr(cpu_build, "CFLAGS", [*cpu_build.CFLAGS, "-DX"])
     names.append(cpu_build.extension_name())
