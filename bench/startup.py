@@ -23,7 +23,8 @@ and the kernel's OOM accounting see). The CPU time the tree used until READY is 
 wall time: on a busy machine it, unlike wall time, does not grow with other processes' work.
 
 --breakdown also times the pieces in fresh interpreters (imports, the C++ kernel load, the engine's
-own phases, a bare tritonserver with no model) so the totals can be read.
+own phases, a bare tritonserver with no model) so the totals can be read; beside each wall time, the
+CPU time that process used for it (all its threads).
 
 vLLM's CPU figures printed for comparison are the ones in issue 15, measured on that issue's host,
 not in this run.
@@ -247,8 +248,8 @@ def _reap_leftovers(tree: list[tuple[int, str]]) -> None:
 # -- where the time goes ------------------------------------------------------------------------------
 _PHASES = r"""
 import json, sys, time
-t = [("interpreter", time.perf_counter())]
-def mark(name): t.append((name, time.perf_counter()))
+t = [("interpreter", time.perf_counter(), time.process_time())]
+def mark(name): t.append((name, time.perf_counter(), time.process_time()))
 import torch; mark("import torch")
 import pagedserve.core.engine; mark("import pagedserve.core.engine")
 from pagedserve.kernels.cpu.build import load_extension
@@ -261,7 +262,7 @@ from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams
 engine = LLMEngine(EngineConfig.from_dict(json.loads(sys.argv[1]))); mark("LLMEngine()")
 engine.generate(["Hello"], SamplingParams(max_tokens=1, temperature=0)); mark("first step (1 token)")
-print(json.dumps({"marks": [(n, b - a) for (n, b), (_, a) in zip(t[1:], t)],
+print(json.dumps({"marks": [(n, b - a, cb - ca) for (n, b, cb), (_, a, ca) in zip(t[1:], t)],
                   "engine": getattr(engine, "load_seconds", {})}))
 """
 
@@ -276,8 +277,8 @@ def breakdown(model: str) -> None:
                          capture_output=True, text=True).stdout
     total = time.monotonic() - start
     data = json.loads(out.strip().splitlines()[-1])
-    for name, seconds in data["marks"]:
-        print(f"[breakdown]   {name:<34}{seconds:>7.2f}s")
+    for name, seconds, cpu_seconds in data["marks"]:
+        print(f"[breakdown]   {name:<34}{seconds:>7.2f}s (CPU {cpu_seconds:.2f}s)")
     for name, seconds in data["engine"].items():
         print(f"[breakdown]     LLMEngine: {name:<23}{seconds:>7.2f}s")
     print(f"[breakdown] engine process total: {total:.2f}s")
