@@ -27,6 +27,7 @@ from typing import Any
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.errors import EngineDead, PagedServeError
+from pagedserve.core.heap import release_free_heap
 from pagedserve.core.metrics import MetricsSnapshot
 from pagedserve.core.outputs import RequestOutput
 from pagedserve.core.sampling_params import SamplingParams
@@ -138,11 +139,16 @@ class AsyncLLMEngine:
         finally:
             self._built.set()
         try:
+            busy = True  # loading freed its full-precision copies of the weights
             while True:
                 block = not self.engine.has_unfinished_requests()
+                if block and busy:
+                    release_free_heap()  # going idle: resident memory falls back to what is in use
+                    busy = False
                 if not self._drain_commands(block):
                     return
                 if self.engine.has_unfinished_requests():
+                    busy = True
                     self._deliver(self.engine.step())
         except BaseException as exc:  # noqa: BLE001 - anything here must reach every caller
             logger.error("engine step failed; failing all open requests:\n%s", traceback.format_exc())

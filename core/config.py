@@ -63,7 +63,8 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     """auto (the model dtype), fp32, bf16, fp16, int8, fp8_e4m3, fp8_e5m2."""
     kv_cache_memory: int | None = None
-    """Bytes for the KV pool. Default: 2 GiB on CPU; on GPU, gpu_memory_utilization decides."""
+    """Bytes for the KV pool. Default on CPU: what max_num_seqs sequences of max_model_len tokens
+    can use, at most 2 GiB (resident only as blocks get used); on GPU, gpu_memory_utilization decides."""
     gpu_memory_utilization: float = 0.9
     """Fraction of free device memory (after loading weights) given to the KV pool on GPU."""
     num_kv_blocks: int | None = None

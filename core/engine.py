@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -57,10 +58,27 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _TORCH_DTYPES[name]
 
 
+class _Stopwatch:
+    """mark(name) records the seconds since the previous mark under `name`."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self.into, self.last = into, time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.into[name] = now - self.last
+        self.last = now
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
+        started = time.perf_counter()
         from transformers import AutoConfig, AutoTokenizer  # heavy import, only when an engine starts
 
+        self.load_seconds: dict[str, float] = {}
+        """Where construction spent its time (logged, and printed by bench/startup.py)."""
+        mark = _Stopwatch(self.load_seconds)
+        mark("import transformers")
         self.config = config = config or EngineConfig()
         mc, cc = config.model, config.cache
         self.model_path = resolve_model_path(mc.model)
@@ -70,6 +88,7 @@ class LLMEngine:
         hf_config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         self.arch = ModelArch.from_hf_config(hf_config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+        mark("config and tokenizer")
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         if self.max_model_len > self.arch.max_position_embeddings and self.arch.rope_scaling is None:
             raise ConfigError(
@@ -78,7 +97,9 @@ class LLMEngine:
             )
         self.eos_token_id = self.arch.eos_token_ids[0] if self.arch.eos_token_ids else self.tokenizer.eos_token_id
         kernels = select_attention_backend(mc.attention_backend, self.device)
+        mark("kernels")
         model = load_decoder(self.model_path, self.arch, self.dtype, self.device, self.max_model_len, kernels)
+        mark("weights")
         # KV cache dtype, scales (int8/fp8) and bytes per block: core/kv_cache/cache_tensors.py.
         self.kv_cache_spec = kv_spec = make_kv_cache_spec(
             cc.kv_cache_dtype, self.dtype, self.arch.num_layers, cc.block_size, self.arch.num_kv_heads,
@@ -87,14 +108,16 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self.runner = ModelRunner(model, self.num_kv_blocks, cc.block_size, kv_spec)
+        mark("KV cache")
         self._ids = itertools.count()
         self._samples_of: dict[str, list[str]] = {}
         """request_id -> its live sample ids (one unless n > 1)."""
         self.metrics = EngineMetrics()
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics, self.scheduler.finish_request)
         self._publish_metrics()
-        logger.info("pagedserve engine: %s on %s in %s, %d KV blocks of %d tokens",
-                    self.model_path, self.device, self.dtype, self.num_kv_blocks, cc.block_size)
+        logger.info("pagedserve engine: %s on %s in %s, %d KV blocks of %d tokens; loaded in %.2fs (%s)",
+                    self.model_path, self.device, self.dtype, self.num_kv_blocks, cc.block_size,
+                    time.perf_counter() - started, ", ".join(f"{k} {v:.2f}s" for k, v in self.load_seconds.items()))
 
     def _num_kv_blocks(self, kv_spec: KVCacheSpec) -> int:
         """Blocks that fit the memory budget; a block's bytes include int8/fp8 scales."""
@@ -108,7 +131,12 @@ class LLMEngine:
             free, _total = torch.cuda.mem_get_info(self.device)
             budget = int(free * cc.gpu_memory_utilization)
         else:
+            # The CPU default is a cap, not a reservation: no more than max_num_seqs sequences of
+            # max_model_len tokens can ever need (blocks are also only touched when used, see
+            # cache_tensors.lazy_zeros), so kv_cache_usage_perc is a share of a pool that can fill.
             budget = DEFAULT_CPU_KV_CACHE_MEMORY
+            blocks_per_seq = -(-self.max_model_len // cc.block_size)
+            budget = min(budget, self.config.scheduler.max_num_seqs * blocks_per_seq * per_block)
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ConfigError(

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+# The checkout root last (never shadowing installed packages), for the bench helpers tests share.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from tiny_models import build_tiny_model  # noqa: E402
 

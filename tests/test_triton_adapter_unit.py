@@ -8,12 +8,15 @@ import json
 import random
 import sys
 import threading
+import time
 import types
 
 import numpy as np
 import pytest
 
 from pagedserve.adapters.triton_server.codec import TextRequest, TextResponseBuilder, parse_text_request
+from pagedserve.adapters.triton_server.contracts import ALL_INPUTS, contract_from_config, parse_request
+from pagedserve.adapters.triton_server.token_codec import TokenRequest
 from pagedserve.adapters.triton_server.metrics import replay_observations
 from pagedserve.adapters.triton_server.token_codec import parse_token_request
 from pagedserve.core.errors import InvalidRequest
@@ -72,6 +75,37 @@ def test_token_request_is_greedy_unless_sampling_is_asked():
     assert req.params.stop_token_ids == (9,) and req.params.ignore_eos
     with pytest.raises(InvalidRequest, match="request_output_len is missing"):
         parse_token_request({"input_ids": ids})
+
+
+def test_one_model_both_contracts_the_request_says_which():
+    ids = np.array([5, 6, 7], dtype=np.int32)
+    text = parse_request({"text_input": t(b"hi", object), "temperature": t(0.0, np.float32)}, '{"max_tokens": 3}')
+    assert isinstance(text, TextRequest) and text.params.temperature == 0.0 and text.params.max_tokens == 3
+    tokens = parse_request({"input_ids": ids, "request_output_len": t(4, np.int32),
+                            "exclude_input_in_output": t(True)}, None)
+    assert isinstance(tokens, TokenRequest) and tokens.prompt_ids == [5, 6, 7] and tokens.exclude_input_in_output
+    assert parse_request({"input_ids": ids, "request_output_len": t(4, np.int32)}, None, "tokens").params.max_tokens == 4
+    assert set(ALL_INPUTS) >= {"text_input", "sampling_parameters", "input_ids", "request_output_len", "streaming"}
+    assert contract_from_config({}) == "auto"
+    assert contract_from_config({"parameters": {"contract": {"string_value": "tokens"}}}) == "tokens"
+
+
+@pytest.mark.parametrize("tensors, params, contract, message", [
+    ({}, None, "auto", "no prompt: send text_input"),
+    ({"text_input": t(b"a", object), "input_ids": t(1, np.int32)}, None, "auto", "not both"),
+    ({"text_input": t(b"a", object), "random_seed": t(1, np.uint64)}, None, "auto", "random_seed: token-contract"),
+    ({"text_input": t(b"a", object), "stop": t(True)}, None, "auto", "stop: token-contract"),
+    ({"input_ids": t(1, np.int32), "request_output_len": t(2, np.int32), "stream": t(True)}, None, "auto",
+     "stream: text-contract"),
+    ({"text_input": t(b"a", object), "temperature": t(0.0, np.float32)}, '{"temperature": 1}', "auto",
+     "temperature is given twice"),
+    ({"text_input": t(b"a", object)}, None, "tokens", "token contract only"),
+    ({"input_ids": t(1, np.int32), "request_output_len": t(2, np.int32)}, None, "text", "text contract only"),
+    ({}, None, "text", "text_input is missing"),
+])
+def test_mixing_contracts_is_an_error_naming_the_input(tensors, params, contract, message):
+    with pytest.raises(InvalidRequest, match=message):
+        parse_request(tensors, params, contract)
 
 
 def test_streaming_n2_response_has_one_element_per_sequence():
@@ -241,6 +275,11 @@ def test_model_streams_with_one_final_and_errors_and_cancels(model):
                              (sent_long, FakeError.INVALID_ARG, "max_model_len")):
         assert len(sent) == 1 and sent[0][1] == 1 and sent[0][0].error.code == code and text in sent[0][0].error.msg
     assert [f for _, f in sent_cancel] == [0, 0, 1] and sent_cancel[-1][0].error.code == FakeError.CANCELLED
+    # The CANCELLED response goes out as the abort is queued; the engine thread frees the blocks
+    # when it takes the command, a moment later.
+    deadline = time.monotonic() + 10
+    while model.engine.metrics.kv_cache_usage_perc != 0.0 and time.monotonic() < deadline:
+        time.sleep(0.01)
     model.metrics.refresh()
     assert model.engine.metrics.kv_cache_usage_perc == 0.0
     success = FakeFamily.created["pagedserve:request_success_total"].metrics

@@ -22,6 +22,7 @@ from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams
 
+from bench.proctree import process_tree
 from triton_helpers import (GrpcStream, MetricsPoller, grpc_request, http_post, scrape,
                             sse_events, text_inputs, token_inputs, wait_for)
 
@@ -40,30 +41,33 @@ def engine_settings(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, engine_settings):
-    """The shipped repository copied to a tmp dir and pointed at a tiny model, plus a model whose
-    engine.json has a misspelt key (loaded on demand, explicit model control)."""
+    """The shipped repository (one model, both contracts) copied to a tmp dir and pointed at a tiny
+    model, plus models loaded on demand (explicit model control): one whose engine.json has a
+    misspelt key, one serving the embedded SmolLM2, and a second engine restricted to the token
+    contract (two engines in one repository, on purpose)."""
     repo = tmp_path_factory.mktemp("triton") / "model_repository"
     shutil.copytree(DEFAULT_REPOSITORY, repo)
-    for name in ("pagedserve", "pagedserve_tokens"):
-        (repo / name / "1" / "engine.json").write_text(json.dumps(engine_settings))
-    bad = repo / "pagedserve_badconfig"
-    shutil.copytree(repo / "pagedserve", bad)
-    (bad / "config.pbtxt").write_text((bad / "config.pbtxt").read_text().replace('"pagedserve"', '"pagedserve_badconfig"'))
-    (bad / "1" / "engine.json").write_text(json.dumps({**engine_settings, "blok_size": 16}))
-    real = repo / "pagedserve_smollm2"  # the shipped engine.json's default model, loaded on demand
-    shutil.copytree(repo / "pagedserve", real)
-    (real / "config.pbtxt").write_text((real / "config.pbtxt").read_text().replace('"pagedserve"', '"pagedserve_smollm2"'))
-    (real / "1" / "engine.json").write_text(json.dumps(SMOLLM2_SETTINGS))
+    (repo / "pagedserve" / "1" / "engine.json").write_text(json.dumps(engine_settings))
+    add_model(repo, "pagedserve_badconfig", {**engine_settings, "blok_size": 16})
+    add_model(repo, "pagedserve_smollm2", SMOLLM2_SETTINGS)  # the shipped engine.json's default model
+    add_model(repo, "pagedserve_tokens", engine_settings, contract="tokens")
     http, grpc, metrics = free_ports(3)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    srv = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics,
-                       models=["pagedserve", "pagedserve_tokens"], env=env,
+    srv = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, models=["pagedserve"], env=env,
                        log_path=repo.parent / "tritonserver.log", timeout=180)
     try:
         yield srv
     finally:
         srv.stop()
         assert not glob.glob(f"/dev/shm/{srv.shm_prefix}*")
+
+
+def add_model(repo, name, settings, contract="auto"):
+    """A copy of the shipped model under another name, with its own engine.json (another engine)."""
+    shutil.copytree(repo / "pagedserve", repo / name)
+    config = (repo / name / "config.pbtxt").read_text().replace('"pagedserve"', f'"{name}"')
+    (repo / name / "config.pbtxt").write_text(config.replace('string_value: "auto"', f'string_value: "{contract}"'))
+    (repo / name / "1" / "engine.json").write_text(json.dumps(settings))
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +134,10 @@ def test_http_sampling_parameters_stop_seed_and_n(server, oracle):
     assert status == 200, text
     assert json.loads(text)["text_output"] == expected.text and expected.finish_reason == "stop"
     assert json.loads(text)["finish_reason"] == "stop"
+    # One stop string as a request parameter, as vllm_backend clients send it in a /generate body.
+    status, text = http_post(url, {"text_input": PROMPT, "exclude_input_in_output": True,
+                                   "parameters": {"max_tokens": 20, "stop": stop, **GREEDY}})
+    assert status == 200 and json.loads(text)["text_output"] == expected.text
     # Seeded sampling, n = 2: one element per sequence, each the engine's seeded sample; vllm_backend
     # clients send numbers as strings, which are accepted for numeric keys.
     sp = json.dumps({"max_tokens": "10", "temperature": "0.8", "seed": 7, "n": 2, "ignore_eos": True})
@@ -219,7 +227,6 @@ def test_cancelled_grpc_stream_and_closed_sse_free_the_request(server, oracle):
 
 
 @pytest.mark.parametrize("case, body, message", [
-    ("missing text_input", {"parameters": {"max_tokens": 4}}, "text_input"),
     ("malformed JSON", {"text_input": PROMPT, "sampling_parameters": "{max_tokens: 4"},
      "sampling_parameters is not valid JSON"),
     ("unknown key", {"text_input": PROMPT, "sampling_parameters": '{"temprature": 0}'}, "temprature"),
@@ -245,23 +252,104 @@ def test_bad_grpc_input_non_utf8_and_unknown_key(server, oracle):
     assert "".join(res.texts()) == expected
 
 
-def test_token_model_output_ids_equal_engine(server, oracle):
+def test_token_contract_on_the_same_model_output_ids_equal_engine(server, oracle):
     ids = oracle.tokenize(PROMPT)
     ref = oracle.generate([ids], SamplingParams(max_tokens=12, **GREEDY))[0]
-    res = grpc_request(server.grpc_url, "pagedserve_tokens", token_inputs(ids, 12))
+    res = grpc_request(server.grpc_url, "pagedserve", token_inputs(ids, 12))
     assert res.error is None and res.finals == [True]
     result = res.responses[0][0]
     assert result.as_numpy("output_ids").tolist() == [ids + list(ref.token_ids)]
     assert result.as_numpy("sequence_length").tolist() == [len(ids) + 12]
-    res = grpc_request(server.grpc_url, "pagedserve_tokens", token_inputs(ids, 12, stream=True))
+    assert result.as_numpy("text_output") is None  # a token request gets the token contract's outputs only
+    res = grpc_request(server.grpc_url, "pagedserve", token_inputs(ids, 12, stream=True))
     assert [t for r, _ in res.responses for t in r.as_numpy("output_ids")[0]] == list(ref.token_ids)
     assert res.finals[-1] and len(res.responses) == 12
     # end_id: the named token ends the sequence and is left out of output_ids.
     end = ref.token_ids[5]
     cut = list(ref.token_ids[: ref.token_ids.index(end)])
-    res = grpc_request(server.grpc_url, "pagedserve_tokens", token_inputs(
+    res = grpc_request(server.grpc_url, "pagedserve", token_inputs(
         ids, 12, exclude_input_in_output=(np.array([True]), "BOOL"), end_id=(np.array([end], dtype=np.int32), "INT32")))
     assert res.responses[0][0].as_numpy("output_ids").tolist() == [cut]
+    # Over HTTP /generate too: a top-level list naming input_ids becomes that tensor.
+    status, text = http_post(f"http://{server.http_url}/v2/models/pagedserve/generate",
+                             {"input_ids": ids, "request_output_len": [12]})
+    assert status == 200, text
+    assert json.loads(text)["output_ids"] == ids + list(ref.token_ids)
+
+
+def test_both_contracts_at_once_share_one_engine(server, oracle):
+    """Text and token streams in flight together on the one model: each equals the engine, and the
+    server runs a single Python backend stub (one engine, one copy of the weights)."""
+    ids = oracle.tokenize(PROMPT)
+    text_ref = engine_text(oracle, PROMPT, max_tokens=200, **GREEDY)[0]
+    token_ref = oracle.generate([ids], SamplingParams(max_tokens=200, **GREEDY))[0]
+    text_stream, token_stream = GrpcStream(server.grpc_url), GrpcStream(server.grpc_url)
+    try:
+        text_stream.send("pagedserve", text_inputs(PROMPT, True, {"max_tokens": 200, **GREEDY}))
+        token_stream.send("pagedserve", token_inputs(ids, 200, stream=True))
+        text_res, token_res = text_stream.collect(timeout=120), token_stream.collect(timeout=120)
+    finally:
+        text_stream.close()
+        token_stream.close()
+    assert "".join(text_res.texts()) == text_ref
+    assert [t for r, _ in token_res.responses for t in r.as_numpy("output_ids")[0]] == list(token_ref.token_ids)
+    # Both streams were producing at the same time (one engine batching them), in one stub process.
+    assert text_res.times[0] < token_res.times[-1] and token_res.times[0] < text_res.times[-1]
+    assert backend_stubs(server) == 1
+
+
+def backend_stubs(server) -> int:
+    """Python backend stub processes (one per loaded model instance, each with its own engine)."""
+    return sum(name == "triton_python_b" for _, name in process_tree(server.process.pid))
+
+
+@pytest.mark.parametrize("case, body, message", [
+    ("neither prompt", {"parameters": {"max_tokens": 4}}, "send text_input"),
+    ("both prompts", {"text_input": PROMPT, "input_ids": [1, 2], "request_output_len": [4]}, "not both"),
+    ("token input on a text request", {"text_input": PROMPT, "request_output_len": [4]}, "request_output_len"),
+    ("text input on a token request", {"input_ids": [1, 2], "request_output_len": [4], "return_logprobs": True},
+     "return_logprobs"),
+])
+def test_mixing_the_contracts_is_named(server, case, body, message):
+    status, text = http_post(f"http://{server.http_url}/v2/models/pagedserve/generate", body)
+    assert status == 400, (case, text)
+    assert message in json.loads(text)["error"], case
+
+
+def test_temperature_input_is_the_text_sampling_key(server, oracle):
+    """Triton's /generate turns a "temperature" parameter into the token contract's FP32 input of that
+    name; on a text request it is the sampling temperature, and giving it twice is an error."""
+    seeded = {"max_tokens": 8, "seed": 11, "ignore_eos": True}
+    ref = oracle.generate([PROMPT], SamplingParams(temperature=0.9, **seeded))[0]
+    status, text = http_post(f"http://{server.http_url}/v2/models/pagedserve/generate", {
+        "text_input": PROMPT, "exclude_input_in_output": True, "parameters": {"temperature": 0.9, **seeded}})
+    assert status == 200 and json.loads(text)["text_output"] == ref.text
+    inputs = text_inputs(PROMPT, False, {"temperature": 0.5, "max_tokens": 4})
+    import tritonclient.grpc as grpcclient
+    temperature = grpcclient.InferInput("temperature", [1], "FP32")
+    temperature.set_data_from_numpy(np.array([0.7], dtype=np.float32))
+    res = grpc_request(server.grpc_url, "pagedserve", [*inputs, temperature])
+    assert res.error is not None and "temperature is given twice" in str(res.error)
+
+
+def test_a_second_engine_on_purpose_restricted_to_tokens(server, oracle):
+    """Two engines in one repository stay possible (a second model directory), never by default."""
+    import tritonclient.grpc as grpcclient
+
+    ids = oracle.tokenize(PROMPT)
+    ref = oracle.generate([ids], SamplingParams(max_tokens=6, **GREEDY))[0]
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.load_model("pagedserve_tokens")
+        assert backend_stubs(server) == 2
+        res = grpc_request(server.grpc_url, "pagedserve_tokens", token_inputs(ids, 6))
+        assert res.responses[0][0].as_numpy("output_ids").tolist() == [ids + list(ref.token_ids)]
+        res = grpc_request(server.grpc_url, "pagedserve_tokens", text_inputs(PROMPT, False, {"max_tokens": 4}))
+        assert res.error is not None and "token contract only" in str(res.error)
+    finally:
+        client.unload_model("pagedserve_tokens")
+        client.close()
+    assert wait_for(lambda: backend_stubs(server) == 1, timeout=30)
 
 
 def test_metrics_follow_one_request(server, oracle):

@@ -126,8 +126,10 @@ class TextRequest:
     report cumulative_logprob)."""
 
 
-def parse_text_request(tensors: Mapping[str, np.ndarray | None], parameters_json: str | None) -> TextRequest:
-    """Validate one request of the text contract; raises InvalidRequest naming the problem."""
+def parse_text_request(tensors: Mapping[str, np.ndarray | None], parameters_json: str | None,
+                       from_inputs: Mapping[str, Any] | None = None) -> TextRequest:
+    """Validate one request of the text contract; raises InvalidRequest naming the problem.
+    `from_inputs`: sampling keys that arrived as input tensors of their own (contracts.py)."""
     raw_prompt = scalar(tensors.get("text_input"), "text_input")
     if raw_prompt is None:
         raise InvalidRequest("text_input is missing: send the prompt as the BYTES input 'text_input' "
@@ -143,6 +145,10 @@ def parse_text_request(tensors: Mapping[str, np.ndarray | None], parameters_json
     sp_tensor = scalar(tensors.get("sampling_parameters"), "sampling_parameters")
     if sp_tensor is not None:
         sampling = parse_json_object(decode_utf8(sp_tensor, "sampling_parameters"), "sampling_parameters")
+    for key, value in (from_inputs or {}).items():
+        if key in sampling:
+            raise InvalidRequest(f"{key} is given twice, as the input {key!r} and as a sampling parameter; send it once")
+        sampling = {**sampling, key: value}
     returns = frozenset(f for f in RETURN_FLAGS if flags[f])
     params = sampling_params_from(sampling)
     client_logprobs = params.logprobs is not None

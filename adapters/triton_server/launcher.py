@@ -3,6 +3,7 @@
     pagedserve triton [--model-repository DIR] [--model PATH|default] [--host 127.0.0.1]
                       [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
                       [--timeout 600] [-- extra tritonserver flags]
+    pagedserve triton --write-repository DIR    (a copy of the shipped repository to edit, then exit)
 
 The wheel carries a complete Triton 2.51 server with the Python backend and its stubs; no GPU or
 CUDA driver is needed. What it takes (CONTRACTS.md section 1):
@@ -20,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,15 +40,30 @@ from pagedserve.adapters.child_process import stop_process
 from pagedserve.adapters.triton_server.engine_config import MODEL_OVERRIDE_ENV
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
-"""model_repository/ of a source checkout (the editable install the README sets up)."""
+"""The shipped repository (one model, pagedserve): model_repository/ of a source checkout, or the
+same folder installed as package data (site-packages/pagedserve/model_repository) from a wheel."""
 
 
 def wheel_dir() -> Path:
-    try:
-        import pytriton
-    except ImportError:
-        raise SystemExit("pagedserve triton needs the wheel nvidia-pytriton: pip install -e '.[triton]'") from None
-    return Path(pytriton.__file__).resolve().parent / "tritonserver"
+    """The tritonserver inside the nvidia-pytriton wheel, found without importing pytriton (which
+    imports numpy and more: about 50 MB this process would then hold while the server runs)."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("pagedserve triton needs the wheel nvidia-pytriton: pip install 'pagedserve[triton]' "
+                         "(in a source checkout: pip install -e '.[triton]')")
+    return Path(list(spec.submodule_search_locations)[0]).resolve() / "tritonserver"
+
+
+def write_repository(target: str | Path) -> Path:
+    """Copy the shipped model repository to `target` (new or empty) for editing; returns it."""
+    target = Path(target)
+    if not (DEFAULT_REPOSITORY / "pagedserve" / "config.pbtxt").is_file():
+        raise SystemExit(f"the shipped model repository is missing at {DEFAULT_REPOSITORY}; reinstall pagedserve")
+    if target.exists() and any(target.iterdir()):
+        raise SystemExit(f"{target} is not empty; name a new or empty directory for --write-repository")
+    shutil.copytree(DEFAULT_REPOSITORY, target, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return target
 
 
 def make_backend_dir(root: Path) -> Path:
@@ -180,7 +198,11 @@ def start_server(model_repository: str | Path = DEFAULT_REPOSITORY, *, host: str
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedserve triton", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY),
+                   help="default: the shipped repository (one model, `pagedserve`, both contracts)")
+    p.add_argument("--write-repository", metavar="DIR", default=None,
+                   help="copy the shipped repository to DIR (to edit engine.json, add models) and exit; "
+                        "then serve it with --model-repository DIR")
     p.add_argument("--model", default=None, help='override "model" in every engine.json (local HF directory '
                                                  'or "default", the embedded SmolLM2-135M-Instruct)')
     p.add_argument("--host", default="127.0.0.1", help="address for HTTP, gRPC and metrics (0.0.0.0 for all)")
@@ -196,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.write_repository:
+        target = write_repository(args.write_repository)
+        print(f"wrote the pagedserve model repository to {target}; edit {target}/pagedserve/1/engine.json, then:\n"
+              f"  pagedserve triton --model-repository {target}")
+        return 0
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
     server = start_server(args.model_repository, host=args.host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port, models=args.load_model,

@@ -4,8 +4,9 @@ model_repository/<name>/1/model.py imports this class. Per model instance (one s
 
 * initialize() loads the engine from `engine.json` beside model.py (strict EngineConfig: a bad
   file fails the load naming the key), starts an asyncio loop on a background thread, and starts
-  the metrics refresher. The config parameter `contract` picks the wire format: "text" (the
-  vllm_backend contract, codec.py) or "tokens" (TensorRT-LLM's, token_codec.py).
+  the metrics refresher. Each request speaks the text contract (vllm_backend's: text_input,
+  codec.py) or the token contract (TensorRT-LLM's: input_ids, token_codec.py); contracts.py tells
+  which. The config parameter `contract` may restrict the model to one of them.
 * execute() validates each request, hands it to the loop and returns None at once. Responses go
   out from the loop thread through the request's response sender.
 * Every request ends with exactly one response flagged FINAL: the last data response on success,
@@ -29,11 +30,12 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from pagedserve.adapters.triton_server.codec import TEXT_INPUTS, TextResponseBuilder, parse_text_request
+from pagedserve.adapters.triton_server.codec import TextRequest, TextResponseBuilder
+from pagedserve.adapters.triton_server.contracts import ALL_INPUTS, contract_from_config, parse_request
 from pagedserve.adapters.triton_server.errors import cancelled_error, to_triton_error
 from pagedserve.adapters.triton_server.engine_config import ENGINE_JSON, MODEL_OVERRIDE_ENV, load_engine_config
 from pagedserve.adapters.triton_server.metrics import TritonEngineMetrics
-from pagedserve.adapters.triton_server.token_codec import TOKEN_INPUTS, TokenResponseBuilder, parse_token_request
+from pagedserve.adapters.triton_server.token_codec import TokenResponseBuilder
 from pagedserve.core.async_engine import AsyncLLMEngine
 from pagedserve.core.errors import ConfigError, PagedServeError
 
@@ -45,13 +47,6 @@ watcher for requests that get no delta (queued, long prefill). A poll is a round
 process; polling on every delta took about 0.8 s of a 4 s run of bench/triton_stream.py on the tiny
 test model (one poll per token), while 0.1 s is far below what a client notices."""
 FINAL = 1  # pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL (the stub defines it as 1)
-
-
-def _contract(model_config: dict) -> str:
-    value = model_config.get("parameters", {}).get("contract", {}).get("string_value", "text")
-    if value not in ("text", "tokens"):
-        raise ConfigError(f"config.pbtxt parameter contract={value!r} is not supported; use 'text' or 'tokens'")
-    return value
 
 
 @dataclass(eq=False)
@@ -74,7 +69,7 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise ConfigError("pagedserve streams responses: set model_transaction_policy { decoupled: true } "
                               "in config.pbtxt")
-        self.contract = _contract(model_config)
+        self.contract = contract_from_config(model_config)
         path = Path(args["model_repository"]) / args["model_version"] / ENGINE_JSON
         config = load_engine_config(path, os.environ.get(MODEL_OVERRIDE_ENV))
         self.engine = AsyncLLMEngine(config)
@@ -105,20 +100,17 @@ class TritonPythonModel:
         return None
 
     def _parse(self, request):
-        names = TEXT_INPUTS if self.contract == "text" else TOKEN_INPUTS
         tensors = {}
-        for name in names:
+        for name in ALL_INPUTS:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             tensors[name] = tensor.as_numpy() if tensor is not None else None
-        if self.contract == "text":
-            return parse_text_request(tensors, request.parameters())
-        return parse_token_request(tensors)
+        return parse_request(tensors, request.parameters(), self.contract)
 
     # -- serving (loop thread) ----------------------------------------------------------------------
     async def _serve(self, request_id: str, parsed, sender) -> None:
         final_sent = False
         try:
-            if self.contract == "text":
+            if isinstance(parsed, TextRequest):
                 builder, prompt = TextResponseBuilder(parsed, self._decode_token), parsed.prompt
             else:
                 builder, prompt = TokenResponseBuilder(parsed), parsed.prompt_ids

@@ -1,5 +1,6 @@
 """Triton tensors <-> engine, for the token-level contract of TensorRT-LLM's `tensorrt_llm` model
-(model_repository/pagedserve_tokens): token ids in, token ids out, no tokenizer on the wire.
+(requests with `input_ids` to model_repository/pagedserve, contracts.py): token ids in, token ids
+out, no tokenizer on the wire.
 
     input_ids INT32 [-1], request_output_len INT32 [1]
     optional: end_id, pad_id, runtime_top_k INT32 [1]; temperature, runtime_top_p FP32 [1];
@@ -12,6 +13,8 @@ sequence (it is not part of the output); non-streaming output_ids hold prompt + 
 unless exclude_input_in_output, and sequence_length counts what output_ids holds; streaming
 responses carry only the new tokens. `stop` = true ends the request before it generates anything.
 `pad_id` only pads beams of unequal length in TensorRT-LLM; with one beam it changes nothing.
+The shipped model does not declare `stop` (see its config.pbtxt); a model restricted to this
+contract may.
 """
 
 from __future__ import annotations

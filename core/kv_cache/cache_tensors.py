@@ -15,6 +15,8 @@ pagedserve.kernels.kv_quant) add scales:
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,19 +139,30 @@ def load_static_kv_scales(model_path: Path, num_layers: int) -> tuple[tuple[floa
     return tuple(scales)
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On CPU it lives in its own private anonymous mapping: the kernel hands out
+    zero pages on first write, so a KV pool costs resident memory only for the blocks requests
+    have used (torch.zeros would write, and so commit, every page of it up front)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps `buffer` alive
+
+
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[KVCacheTensors]:
-    """Zeroed caches (and scales) for every layer."""
+    """Zeroed caches (and scales) for every layer; on CPU untouched until blocks are used."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     caches = []
     for layer in range(spec.num_layers):
         k_scale = v_scale = None
         if spec.dynamic_scales:
-            k_scale = torch.zeros(shape[:3], dtype=DYNAMIC_SCALE_DTYPE, device=device)
-            v_scale = torch.zeros(shape[:3], dtype=DYNAMIC_SCALE_DTYPE, device=device)
+            k_scale = lazy_zeros(shape[:3], DYNAMIC_SCALE_DTYPE, device)
+            v_scale = lazy_zeros(shape[:3], DYNAMIC_SCALE_DTYPE, device)
         elif spec.static_scales is not None:
             k, v = spec.static_scales[layer]
             k_scale = torch.tensor(k, dtype=STATIC_SCALE_DTYPE, device=device)
             v_scale = torch.tensor(v, dtype=STATIC_SCALE_DTYPE, device=device)
-        caches.append(KVCacheTensors(torch.zeros(shape, dtype=spec.dtype, device=device),
-                                     torch.zeros(shape, dtype=spec.dtype, device=device), k_scale, v_scale))
+        caches.append(KVCacheTensors(lazy_zeros(shape, spec.dtype, device), lazy_zeros(shape, spec.dtype, device),
+                                     k_scale, v_scale))
     return caches

@@ -1,0 +1,74 @@
+"""A process and all its descendants, from /proc (Linux): who they are and their resident memory.
+
+The launchers start process trees (pagedserve -> tritonserver -> one Python backend stub per model
+instance; the kserve server), so their footprint is the sum over the tree.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # exited meanwhile
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name may hold spaces and parentheses
+        kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def _status(pid: int) -> dict[str, str] | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return {k: v.strip() for k, v in (line.split(":", 1) for line in f if ":" in line)}
+    except OSError:
+        return None
+
+
+def process_tree(root: int) -> list[tuple[int, str]]:
+    """(pid, name) of `root` and every live descendant; names are the kernel's (15 characters)."""
+    kids, todo, out = _children(), [root], []
+    while todo:
+        pid = todo.pop()
+        todo.extend(kids.get(pid, ()))
+        status = _status(pid)
+        if status is not None:
+            out.append((pid, status.get("Name", "?")))
+    return out
+
+
+def tree_rss(root: int) -> tuple[int, dict[str, int]]:
+    """(total RSS bytes, {process name: RSS bytes}) of `root` and its descendants. Pages shared
+    between processes count once per process, as `ps` and the OOM killer count them."""
+    total, parts = 0, {}
+    for pid, name in process_tree(root):
+        status = _status(pid)
+        if status is None:
+            continue
+        rss = int(status.get("VmRSS", "0 kB").split()[0]) * 1024
+        total += rss
+        parts[name] = parts.get(name, 0) + rss
+    return total, parts
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU time (user + system) used so far by `root` and its live descendants, including the
+    children they have already waited for. On a busy machine this, unlike wall time, does not
+    grow with what other processes run."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid, _name in process_tree(root):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+    return total / ticks
