@@ -103,8 +103,9 @@ class LimitsConfig:
     The engine applies the queue bounds and timeouts; the adapters apply the size and drain limits."""
 
     max_waiting_requests: int | None = 256
-    """Requests (each of n samples counts) queued for admission. A request arriving at a full queue is
-    refused at once (KServe 429 with Retry-After, Triton UNAVAILABLE). None: unbounded."""
+    """Requests (each of n samples counts) waiting for a slot in the running batch (max_num_seqs).
+    A request arriving at a full queue is refused at once (KServe 429 with Retry-After, Triton
+    UNAVAILABLE). None: unbounded."""
     max_waiting_prompt_tokens: int | None = 262144
     """Tokens of the queued requests' prompts, same refusal. A request arriving at an empty queue
     is always admitted, however long. None: unbounded."""

@@ -123,12 +123,17 @@ class LLMEngine:
         return num_blocks
 
     # -- requests --------------------------------------------------------------------------------
+    def check_prompt_chars(self, num_chars: int) -> None:
+        """Refuse a text of num_chars characters that cannot fit max_model_len, before tokenizing."""
+        if num_chars > self.max_prompt_chars:
+            raise RequestTooLong(
+                f"prompt has {num_chars} characters, more than max_model_len={self.max_model_len} tokens "
+                f"can hold (at most {self.max_prompt_chars} characters); shorten the prompt")
+
     def check_prompt_size(self, prompt: str | Sequence[int]) -> None:
         """Refuse, without tokenizing, a prompt that cannot fit max_model_len (cheap: a length)."""
-        if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
-            raise RequestTooLong(
-                f"prompt has {len(prompt)} characters, more than max_model_len={self.max_model_len} tokens "
-                f"can hold (at most {self.max_prompt_chars} characters); shorten the prompt")
+        if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt))
         if isinstance(prompt, (list, tuple)) and len(prompt) >= self.max_model_len:
             raise RequestTooLong(f"prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}; "
                                  "shorten the prompt")
@@ -199,9 +204,13 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequest("prompt is empty; send at least one token")
         max_tokens = self._check_lengths(len(token_ids), params)
-        waiting = self.scheduler.waiting
-        self.queue_guard.check(len(waiting), sum(r.num_tokens - r.num_computed_tokens for r in waiting),
-                               len(token_ids) * params.n)
+        # Requests that will have to wait: those queued beyond the running batch's free slots (a
+        # burst arriving between two steps into free slots is no overload).
+        free_slots = max(self.config.scheduler.max_num_seqs - len(self.scheduler.running), 0)
+        if len(self.scheduler.waiting) + params.n > free_slots:
+            queued = list(itertools.islice(self.scheduler.waiting, free_slots, None))
+            self.queue_guard.check(len(queued), sum(r.num_tokens - r.num_computed_tokens for r in queued),
+                                   len(token_ids) * params.n)
         if deadline is None and self.config.limits.request_timeout is not None:
             deadline = time.monotonic() + self.config.limits.request_timeout
         if params.prompt_logprobs is not None:

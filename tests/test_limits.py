@@ -61,3 +61,21 @@ def test_deadlines_pop_due_unfinished_requests_in_order_and_compact():
         deadlines.add(r)
         r.status = RequestStatus.FINISHED_LENGTH
     assert len(deadlines._heap) <= COMPACT_EVERY
+
+
+def test_a_burst_into_free_slots_is_not_overload(tiny_model_dir):
+    # The bound counts requests that must wait for a slot of the running batch: five requests
+    # arriving between two steps fill four free slots and the one-place queue; the sixth would
+    # wait beyond the bound and is refused (the engine has not stepped: nothing runs yet).
+    from pagedserve.core.config import EngineConfig
+    from pagedserve.core.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_dict({"model": str(tiny_model_dir("llama")), "dtype": "float32",
+                                               "max_num_seqs": 4, "max_waiting_requests": 1}))
+    for i in range(5):
+        engine.add_request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(EngineOverloaded, match="1 requests are already waiting"):
+        engine.add_request("r5", [1, 2, 3], SamplingParams(max_tokens=2))
+    engine.step()  # four run now, one waits
+    with pytest.raises(EngineOverloaded):
+        engine.add_request("r6", [1, 2, 3], SamplingParams(max_tokens=2))
