@@ -8,6 +8,7 @@ import json
 import random
 import sys
 import threading
+import time
 import types
 
 import numpy as np
@@ -241,6 +242,11 @@ def test_model_streams_with_one_final_and_errors_and_cancels(model):
                              (sent_long, FakeError.INVALID_ARG, "max_model_len")):
         assert len(sent) == 1 and sent[0][1] == 1 and sent[0][0].error.code == code and text in sent[0][0].error.msg
     assert [f for _, f in sent_cancel] == [0, 0, 1] and sent_cancel[-1][0].error.code == FakeError.CANCELLED
+    # The cancel's abort reaches the engine thread as a command after the CANCELLED final went
+    # out: its blocks are freed before the next step, not necessarily before this line.
+    deadline = time.monotonic() + 10
+    while model.engine.metrics.kv_cache_usage_perc and time.monotonic() < deadline:
+        time.sleep(0.01)
     model.metrics.refresh()
     assert model.engine.metrics.kv_cache_usage_perc == 0.0
     success = FakeFamily.created["pagedserve:request_success_total"].metrics
