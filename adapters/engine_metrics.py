@@ -51,16 +51,38 @@ ENGINE_METRICS: tuple[EngineMetric, ...] = (
     _metric("num_preemptions_total", MetricKind.COUNTER, "Requests preempted (KV blocks reclaimed, recomputed later)."),
     _metric("prompt_tokens_total", MetricKind.COUNTER, "Prompt tokens prefilled."),
     _metric("generation_tokens_total", MetricKind.COUNTER, "Tokens generated."),
+    _metric("engine_step_failures_total", MetricKind.COUNTER,
+            "Engine steps that raised; each ended every request in flight with an error."),
     _metric("time_to_first_token_seconds", MetricKind.HISTOGRAM, "Time from arrival to the first token."),
     _metric("inter_token_latency_seconds", MetricKind.HISTOGRAM, "Time between consecutive output tokens."),
     _metric("e2e_request_latency_seconds", MetricKind.HISTOGRAM, "Time from arrival to the last token."),
 )
-"""Exported in this order. request_success_total (finished requests by finish_reason) is exported
-separately as `pagedserve:request_success_total` with a `finished_reason` label, as vLLM does."""
+"""Exported in this order; the counters with a label follow in LABELLED_COUNTERS."""
 
-REQUEST_SUCCESS = EngineMetric(PREFIX + "request_success_total", MetricKind.COUNTER,
-                               "Finished requests, by finish reason.",
-                               lambda snap: sum(snap.request_success_total.values()))
+
+@dataclass(frozen=True)
+class LabelledCounter:
+    """A counter family with one sample per value of `label` (values appear as they first occur)."""
+
+    name: str
+    label: str
+    description: str
+    read: Callable[[MetricsSnapshot], dict[str, int]]
+
+    @property
+    def base_name(self) -> str:
+        return self.name.removesuffix("_total")
+
+
+REQUEST_SUCCESS = LabelledCounter(PREFIX + "request_success_total", "finished_reason",
+                                  "Finished requests, by finish reason (stop, length, abort, timeout).",
+                                  lambda snap: snap.request_success_total)
+"""vLLM's name and label."""
+REQUEST_REFUSED = LabelledCounter(PREFIX + "request_refused_total", "reason",
+                                  "Requests refused at once because the waiting queue was full, by the bound "
+                                  "reached (waiting_requests, waiting_prompt_tokens).",
+                                  lambda snap: snap.request_refused_total)
+LABELLED_COUNTERS: tuple[LabelledCounter, ...] = (REQUEST_SUCCESS, REQUEST_REFUSED)
 
 
 def cumulative_buckets(hist: Histogram) -> list[tuple[float, int]]:

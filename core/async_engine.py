@@ -5,12 +5,23 @@ through one command queue (add, abort) and get results through per-request async
 with loop.call_soon_threadsafe. Closing or cancelling an iterator aborts its request, which the
 engine thread applies before its next step, so the request's blocks are freed within one step.
 
+Nothing a single request sends may hold up the steps of the others: text prompts are tokenized
+on a small pool of worker threads (the tokenizer releases the GIL), after a character bound that
+refuses, without tokenizing, a prompt that cannot fit max_model_len; only token ids reach the
+engine thread.
+
 The engine thread also builds the LLMEngine. torch's CPU ops run on an OpenMP team owned by the
 thread that starts them; loading the model on one thread and stepping it on another leaves two
 teams in the process, and once libgomp manages more threads than there are CPUs it stops
 spinning between parallel regions and sleeps/wakes its workers hundreds of times per step
 (measured on 2 cores: the same workload 35% slower, 71.3 s against 52.7 s). So keep every torch
 op of a process on this one thread: adapters never touch torch themselves.
+
+Lifecycle: open -> draining (begin_drain: new requests are refused with EngineShuttingDown,
+requests in flight go on) -> closed (shutdown: the rest end with EngineShuttingDown; or a fatal
+failure: they end with EngineDead). Every call after that fails at once. A step that raises ends
+the requests in flight with EngineStepFailed and the engine goes on (see _recover); after
+MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row it gives up and is dead.
 """
 
 from __future__ import annotations
@@ -19,20 +30,27 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import traceback
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
-from pagedserve.core.errors import EngineDead, PagedServeError
+from pagedserve.core.errors import EngineDead, EngineShuttingDown, EngineStepFailed, PagedServeError
 from pagedserve.core.heap import release_free_heap
 from pagedserve.core.metrics import MetricsSnapshot
 from pagedserve.core.outputs import RequestOutput
 from pagedserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+"""Failed steps in a row (no good step between) after which the engine stops recovering: a fault
+that repeats is not one bad batch but a broken engine, and a restart is the cure."""
+TOKENIZER_THREADS = 2
 
 
 @dataclass(eq=False)
@@ -51,7 +69,7 @@ class _Stream:
 @dataclass(frozen=True)
 class _Add:
     request_id: str
-    prompt: str | Sequence[int]
+    prompt_token_ids: list[int]
     params: SamplingParams
     kwargs: dict[str, Any]
     stream: _Stream
@@ -73,7 +91,15 @@ class AsyncLLMEngine:
         self.engine: LLMEngine | None = engine
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
-        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        """Guards _closed and the submission of commands, so nothing is queued after the engine
+        thread stopped reading (it would wait forever)."""
+        self._closed: EngineDead | None = None
+        self._draining = False
+        self._num_active = 0
+        """generate() calls in progress (tokenizing, queued or streaming); under _lock."""
+        self._consecutive_failures = 0  # engine thread only
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagedserve-tokenize")
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(config,), name="pagedserve-engine", daemon=True)
@@ -81,23 +107,31 @@ class AsyncLLMEngine:
         self._built.wait()
         if self._build_error is not None:
             self._thread.join()
+            self._tokenizer_pool.shutdown(wait=False)
             raise self._build_error
 
     # -- caller side -----------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: str | Sequence[int],
-                       params: SamplingParams | None = None, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                       *, timeout: float | None = None, **kwargs: Any) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutput deltas until every sample of the request has finished.
 
-        kwargs: cache_salt, use_prefix_cache. Invalid requests raise InvalidRequest (or a subclass)
-        from the first iteration; an engine failure raises EngineDead.
+        timeout: seconds from now after which the request ends with finish_reason "timeout"
+        (None: the engine's request_timeout, if any). kwargs: cache_salt, use_prefix_cache.
+        Invalid requests raise InvalidRequest (or a subclass) from the first iteration, a full
+        waiting queue EngineOverloaded, a closed or draining engine EngineDead / EngineShuttingDown
+        (at once), a failed step EngineStepFailed.
         """
-        if self._error is not None:
-            raise EngineDead(f"the engine is dead and serves no more requests: {self._error}")
+        self._check_accepting()
+        deadline = None if timeout is None else time.monotonic() + timeout
         params = params or SamplingParams()
-        stream = _Stream(asyncio.get_running_loop(), samples_left=params.n)
-        self._commands.put(_Add(request_id, prompt, params, kwargs, stream))
-        finished = False
+        with self._lock:
+            self._num_active += 1
+        submitted = finished = False
         try:
+            token_ids = await self._tokenize(prompt)
+            stream = _Stream(asyncio.get_running_loop(), samples_left=params.n)
+            self._submit(_Add(request_id, token_ids, params, {**kwargs, "deadline": deadline}, stream))
+            submitted = True
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -110,23 +144,86 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
-            if not finished:  # closed or cancelled midway: free the request's blocks
+            with self._lock:
+                self._num_active -= 1
+            if submitted and not finished:  # closed or cancelled midway: free the request's blocks
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Abort a request from outside; its stream ends with finish_reason "abort"."""
-        self._commands.put(_Abort(request_id))
+        with self._lock:
+            if self._closed is None:  # once closed, every stream has ended already
+                self._commands.put(_Abort(request_id))
 
     def is_healthy(self) -> bool:
-        return self._error is None and self._thread.is_alive()
+        """False once the engine is dead or shut down (draining engines are still healthy)."""
+        return self._closed is None and self._thread.is_alive()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests accepted and not yet ended (tokenizing, waiting or running)."""
+        return self._num_active
 
     @property
     def metrics(self) -> MetricsSnapshot:
         return self.engine.latest_metrics
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        self._commands.put(_STOP)
+    def begin_drain(self) -> None:
+        """Refuse new requests (EngineShuttingDown) and let the ones in flight finish."""
+        self._draining = True
+
+    async def drain(self, timeout: float) -> int:
+        """begin_drain(), wait up to `timeout` seconds for the requests in flight, then shut down:
+        whatever is still running ends with EngineShuttingDown. Returns how many were cut off."""
+        self.begin_drain()
+        deadline = time.monotonic() + timeout
+        while self._num_active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = self._num_active
+        reason = (f"the server is shutting down and {left} request(s) did not finish within the "
+                  f"drain period ({timeout:g} s); retry on another replica") if left else None
+        await asyncio.to_thread(self.shutdown, reason=reason)
+        return left
+
+    def shutdown(self, timeout: float = 10.0, reason: str | None = None) -> None:
+        """Stop the engine: open requests and every later call fail with EngineShuttingDown."""
+        with self._lock:
+            if self._closed is None:
+                self._closed = EngineShuttingDown(reason or "the engine was shut down; it serves no more requests")
+            self._commands.put(_STOP)
         self._thread.join(timeout)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        self.engine.check_prompt_size(prompt)  # a length: a huge prompt is refused before tokenizing
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.engine.tokenize, prompt)
+        except RuntimeError:
+            if self._closed is not None:  # the pool was shut down with the engine meanwhile
+                raise self._closed_error() from None
+            raise
+
+    def _closed_error(self) -> EngineDead:
+        """A fresh copy of the closing error: one instance raised in many tasks would collect
+        every task's traceback."""
+        return type(self._closed)(str(self._closed))
+
+    def _check_accepting(self) -> None:
+        if self._closed is not None:
+            raise self._closed_error()
+        if self._draining:
+            raise EngineShuttingDown("the server is shutting down and accepts no new requests; "
+                                     "retry on another replica")
+
+    def _submit(self, cmd: _Add) -> None:
+        with self._lock:
+            if self._closed is not None:
+                raise self._closed_error()
+            self._commands.put(cmd)
 
     # -- engine thread ---------------------------------------------------------------------------
     def _run(self, config: EngineConfig | None) -> None:
@@ -149,10 +246,35 @@ class AsyncLLMEngine:
                     return
                 if self.engine.has_unfinished_requests():
                     busy = True
-                    self._deliver(self.engine.step())
+                    self._step()
         except BaseException as exc:  # noqa: BLE001 - anything here must reach every caller
-            logger.error("engine step failed; failing all open requests:\n%s", traceback.format_exc())
-            self._fail_all(exc)
+            logger.error("the engine failed and serves no more requests:\n%s", traceback.format_exc())
+            self._die(EngineDead(f"the engine failed and serves no more requests ({exc!r}); restart the server"))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - a failed step ends its requests, not the engine
+            self._recover(exc)
+            return
+        self._consecutive_failures = 0
+        self._deliver(outputs)
+
+    def _recover(self, exc: Exception) -> None:
+        """End every request in flight with EngineStepFailed, free all blocks and forget the prefix
+        cache, and go on serving; give up (raise) after MAX_CONSECUTIVE_STEP_FAILURES in a row or
+        when the engine's state does not check out after the clean-up."""
+        self._consecutive_failures += 1
+        logger.error("engine step failed (%d in a row); ending the %d request(s) in flight:\n%s",
+                     self._consecutive_failures, len(self._streams), traceback.format_exc())
+        message = (f"an internal error in the engine ended this request ({type(exc).__name__}: {exc}); "
+                   "the server goes on serving, retry the request")
+        for stream in self._streams.values():
+            stream.put(EngineStepFailed(message))
+        self._streams.clear()
+        self.engine.abort_all_after_failure()
+        if self._consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise RuntimeError(f"{self._consecutive_failures} engine steps in a row failed; last: {exc!r}") from exc
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if the engine is idle). False means stop."""
@@ -163,7 +285,7 @@ class AsyncLLMEngine:
                 return True
             block = False
             if cmd is _STOP:
-                self._fail_all(EngineDead("the engine was shut down"), record=False)
+                self._fail_all()
                 return False
             if isinstance(cmd, _Add):
                 self._add(cmd)
@@ -176,8 +298,8 @@ class AsyncLLMEngine:
 
     def _add(self, cmd: _Add) -> None:
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, **cmd.kwargs)
-        except PagedServeError as exc:  # a bad request is rejected on its own
+            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, **cmd.kwargs)
+        except PagedServeError as exc:  # a bad or refused request ends on its own
             cmd.stream.put(exc)
             return
         self._streams[cmd.request_id] = cmd.stream
@@ -193,28 +315,22 @@ class AsyncLLMEngine:
             if out.finished and not self.engine.is_live(out.request_id):
                 self._streams.pop(out.request_id, None)
 
-    def _fail_all(self, exc: BaseException, record: bool = True) -> None:
-        if record:
-            self._error = exc
-        error = exc if isinstance(exc, EngineDead) else EngineDead(f"engine step failed: {exc!r}")
+    def _die(self, error: EngineDead) -> None:
+        with self._lock:
+            if self._closed is None:
+                self._closed = error
+        self._fail_all()
+
+    def _fail_all(self) -> None:
+        """End every open stream and every queued request with the closing error. Called once
+        _closed is set, so nothing can be queued after this."""
         for stream in self._streams.values():
-            stream.put(error)
+            stream.put(self._closed_error())
         self._streams.clear()
-        # Fail requests still queued, and any that arrive later, instead of leaving them waiting.
         while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 break
             if isinstance(cmd, _Add):
-                cmd.stream.put(error)
-        if record:
-            threading.Thread(target=self._reject_forever, args=(error,), daemon=True).start()
-
-    def _reject_forever(self, error: EngineDead) -> None:
-        while True:
-            cmd = self._commands.get()
-            if cmd is _STOP:
-                return
-            if isinstance(cmd, _Add):
-                cmd.stream.put(error)
+                cmd.stream.put(self._closed_error())

@@ -30,6 +30,16 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (tokens)")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache pool")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="requests queued for admission before new ones are refused (default 256)")
+    p.add_argument("--max-waiting-prompt-tokens", type=int, default=None,
+                   help="prompt tokens queued for admission before new requests are refused (default 262144)")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds after which a request ends with finish_reason 'timeout' (default: off)")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest request body / prompt input in bytes (default 8 MiB)")
+    p.add_argument("--drain-timeout", type=float, default=None,
+                   help="seconds requests in flight get to finish on SIGTERM (default 20)")
     p.add_argument("--engine-config", default=None, help="JSON file of engine settings (flags override it)")
 
 
@@ -37,7 +47,9 @@ def engine_config_from_args(args: argparse.Namespace):
     from pagedserve.core.config import EngineConfig
 
     flags = {key: getattr(args, key) for key in ("model", "dtype", "block_size", "max_num_seqs",
-                                                  "max_num_batched_tokens", "max_model_len", "kv_cache_memory")
+                                                  "max_num_batched_tokens", "max_model_len", "kv_cache_memory",
+                                                  "max_waiting_requests", "max_waiting_prompt_tokens",
+                                                  "request_timeout", "max_request_bytes", "drain_timeout")
              if getattr(args, key) is not None}
     if args.engine_config:
         return EngineConfig.from_json_file(args.engine_config, flags)

@@ -1,4 +1,4 @@
-"""Engine configuration: EngineConfig = ModelConfig + CacheConfig + SchedulerConfig.
+"""Engine configuration: EngineConfig = ModelConfig + CacheConfig + SchedulerConfig + LimitsConfig.
 
 Defaults live here and nowhere else. `EngineConfig.from_dict` takes one flat dict (the shape of a
 Triton model.json or CLI flags), rejects unknown keys and names the field, value and fix on error.
@@ -95,7 +95,46 @@ class SchedulerConfig:
         check_range(ConfigError, "long_prefill_token_threshold", self.long_prefill_token_threshold, 1)
 
 
-_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024**2
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """What one request, or a crowd of them, may ask of a server (docs/triton.md, docs/kserve.md).
+    The engine applies the queue bounds and timeouts; the adapters apply the size and drain limits."""
+
+    max_waiting_requests: int | None = 256
+    """Requests (each of n samples counts) waiting for a slot in the running batch (max_num_seqs).
+    A request arriving at a full queue is refused at once (KServe 429 with Retry-After, Triton
+    UNAVAILABLE). None: unbounded."""
+    max_waiting_prompt_tokens: int | None = 262144
+    """Tokens of the queued requests' prompts, same refusal. A request arriving at an empty queue
+    is always admitted, however long. None: unbounded."""
+    request_timeout: float | None = None
+    """Seconds from arrival after which a request still running ends with finish_reason "timeout"
+    (its blocks freed). Applies to requests that set no timeout of their own. None: off."""
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    """Largest request body the KServe server reads (larger: HTTP 413) and largest prompt input a
+    Triton model accepts (larger: INVALID_ARG)."""
+    drain_timeout: float = 20.0
+    """Seconds in-flight requests get to finish after SIGTERM (KServe) or the start of an unload
+    (Triton) before they are ended with an error. Below Kubernetes' default 30 s grace period."""
+
+    def __post_init__(self) -> None:
+        for name in ("request_timeout", "drain_timeout"):
+            value = getattr(self, name)
+            if value is not None and value != value:  # NaN passes every range comparison
+                raise ConfigError(f"{name}={value!r} is not a number of seconds")
+        check_range(ConfigError, "max_waiting_requests", self.max_waiting_requests, 1)
+        check_range(ConfigError, "max_waiting_prompt_tokens", self.max_waiting_prompt_tokens, 1)
+        check_range(ConfigError, "request_timeout", self.request_timeout, 0.0, low_open=True,
+                    hint="use null to turn the default timeout off")
+        check_range(ConfigError, "max_request_bytes", self.max_request_bytes, 1024,
+                    hint="allow at least 1024 bytes")
+        check_range(ConfigError, "drain_timeout", self.drain_timeout, 0.0, 3600.0)
+
+
+_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "limits": LimitsConfig}
 
 
 @dataclass(frozen=True)
@@ -103,6 +142,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     @classmethod
     def known_keys(cls) -> dict[str, str]:

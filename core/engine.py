@@ -17,6 +17,7 @@ from pagedserve.core.errors import ConfigError, DuplicateRequest, InvalidRequest
 from pagedserve.core.kv_cache.cache_tensors import KVCacheSpec, make_kv_cache_spec
 from pagedserve.core.kv_cache.manager import KVCacheManager
 from pagedserve.core.layers.attention import select_attention_backend
+from pagedserve.core.limits import Deadlines, WaitingQueueGuard, max_prompt_chars
 from pagedserve.core.metrics import EngineMetrics
 from pagedserve.core.model_runner import ModelRunner
 from pagedserve.core.models.arch import ModelArch
@@ -114,6 +115,10 @@ class LLMEngine:
         """request_id -> its live sample ids (one unless n > 1)."""
         self.metrics = EngineMetrics()
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics, self.scheduler.finish_request)
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
+        """Text prompts longer than this cannot fit max_model_len: refused before tokenizing."""
+        self.queue_guard = WaitingQueueGuard(config.limits, self.metrics)
+        self.deadlines = Deadlines()
         self._publish_metrics()
         logger.info("pagedserve engine: %s on %s in %s, %d KV blocks of %d tokens; loaded in %.2fs (%s)",
                     self.model_path, self.device, self.dtype, self.num_kv_blocks, cc.block_size,
@@ -145,7 +150,25 @@ class LLMEngine:
         return num_blocks
 
     # -- requests --------------------------------------------------------------------------------
+    def check_prompt_chars(self, num_chars: int) -> None:
+        """Refuse a text of num_chars characters that cannot fit max_model_len, before tokenizing."""
+        if num_chars > self.max_prompt_chars:
+            raise RequestTooLong(
+                f"prompt has {num_chars} characters, more than max_model_len={self.max_model_len} tokens "
+                f"can hold (at most {self.max_prompt_chars} characters); shorten the prompt")
+
+    def check_prompt_size(self, prompt: str | Sequence[int]) -> None:
+        """Refuse, without tokenizing, a prompt that cannot fit max_model_len (cheap: a length)."""
+        if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt))
+        if isinstance(prompt, (list, tuple)) and len(prompt) >= self.max_model_len:
+            raise RequestTooLong(f"prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}; "
+                                 "shorten the prompt")
+
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt (text is encoded, ids are validated). Thread-safe: AsyncLLMEngine
+        calls it off the engine thread, so a long prompt never holds up a step."""
+        self.check_prompt_size(prompt)
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
@@ -190,10 +213,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
                     params: SamplingParams | None = None, *, cache_salt: str | None = None,
-                    use_prefix_cache: bool = True, detokenize: bool = True) -> str:
+                    use_prefix_cache: bool = True, detokenize: bool = True, deadline: float | None = None) -> str:
         """Queue a request (n samples when params.n > 1); returns its request_id.
 
-        Raises InvalidRequest / RequestTooLong / DuplicateRequest; nothing is queued then.
+        deadline: time.monotonic() after which the request ends with finish_reason "timeout";
+        None: arrival + request_timeout when that is configured, else never.
+        Raises InvalidRequest / RequestTooLong / DuplicateRequest / EngineOverloaded; nothing is
+        queued then.
         """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -205,6 +231,15 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequest("prompt is empty; send at least one token")
         max_tokens = self._check_lengths(len(token_ids), params)
+        # Requests that will have to wait: those queued beyond the running batch's free slots (a
+        # burst arriving between two steps into free slots is no overload).
+        free_slots = max(self.config.scheduler.max_num_seqs - len(self.scheduler.running), 0)
+        if len(self.scheduler.waiting) + params.n > free_slots:
+            queued = list(itertools.islice(self.scheduler.waiting, free_slots, None))
+            self.queue_guard.check(len(queued), sum(r.num_tokens - r.num_computed_tokens for r in queued),
+                                   len(token_ids) * params.n)
+        if deadline is None and self.config.limits.request_timeout is not None:
+            deadline = time.monotonic() + self.config.limits.request_timeout
         if params.prompt_logprobs is not None:
             use_prefix_cache = False  # every prompt position must run to be scored
         leader = None
@@ -218,10 +253,11 @@ class LLMEngine:
             request = Request(
                 request_id=sample_id, prompt_token_ids=token_ids, sampling_params=sample_params,
                 eos_token_id=self.eos_token_id, max_tokens=max_tokens, cache_salt=cache_salt,
-                use_prefix_cache=use_prefix_cache, prompt_leader=leader,
+                use_prefix_cache=use_prefix_cache, prompt_leader=leader, deadline=deadline,
             )
             leader = leader or request
             self.scheduler.add_request(request)
+            self.deadlines.add(request)
             self.output_processor.add(request, request_id, index, detokenize)
             sample_ids.append(sample_id)
         self._samples_of[request_id] = sample_ids
@@ -246,18 +282,58 @@ class LLMEngine:
         return request_id in self._samples_of
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, run the batch, sample, apply stop rules, detokenize."""
+        """One iteration: end expired requests, schedule, run the batch, sample, apply stop rules,
+        detokenize."""
+        outputs = self._expire_deadlines()
+        if not self.scheduler.has_unfinished_requests():  # everything left just timed out
+            self._forget_finished(outputs)
+            self._publish_metrics()
+            return outputs
         sched_out = self.scheduler.schedule()
         runner_out = self.runner.execute(sched_out)
         updates = self.scheduler.update_from_output(sched_out, runner_out.sampled)
-        outputs = self.output_processor.process(updates, runner_out)
+        outputs += self.output_processor.process(updates, runner_out)
+        self._forget_finished(outputs)
+        self._publish_metrics()
+        return outputs
+
+    def _expire_deadlines(self) -> list[RequestOutput]:
+        outputs = []
+        for request in self.deadlines.pop_expired():
+            finished = self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_TIMEOUT)
+            if finished is not None:
+                outputs.append(self.output_processor.abort(finished))
+        return outputs
+
+    def _forget_finished(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             if out.finished:
                 samples = self._samples_of.get(out.request_id)
                 if samples is not None and all(s not in self.scheduler.requests for s in samples):
                     del self._samples_of[out.request_id]
+
+    def abort_all_after_failure(self) -> list[str]:
+        """After a step raised: finish every live request without an output (the caller reports
+        the error to each), free their blocks, and forget every prefix-cache entry (blocks
+        registered in the failed step may hold K/V that was never written). Raises if the block
+        pool is not whole again, i.e. the engine cannot be trusted to go on. Returns the request ids."""
+        request_ids = list(self._samples_of)
+        for sample_ids in self._samples_of.values():
+            for sample_id in sample_ids:
+                self.scheduler.finish_request(sample_id, RequestStatus.FINISHED_ABORTED)
+        self._samples_of.clear()
+        self.output_processor.samples.clear()
+        self.deadlines.clear()
+        if self.scheduler.requests or self.scheduler.waiting or self.scheduler.running:
+            raise RuntimeError("requests are still scheduled after aborting every request")
+        self.kv_cache_manager.reset_prefix_cache()
+        self.kv_cache_manager.check_invariants()
+        if self.kv_cache_manager.pool.num_used_blocks:
+            raise RuntimeError(f"{self.kv_cache_manager.pool.num_used_blocks} KV blocks still in use "
+                               "after aborting every request")
+        self.metrics.observe_step_failure()
         self._publish_metrics()
-        return outputs
+        return request_ids
 
     def _publish_metrics(self) -> None:
         self.metrics.update_from_scheduler(self.scheduler.stats)

@@ -41,5 +41,19 @@ class DuplicateRequest(InvalidRequest):
     """A request with the same request_id is still running."""
 
 
+class EngineOverloaded(PagedServeError):
+    """The waiting queue is full (max_waiting_requests or max_waiting_prompt_tokens): the request
+    was refused at once; retry later or on another replica."""
+
+
+class EngineStepFailed(PagedServeError, RuntimeError):
+    """An internal error in an engine step ended this request; the engine recovered and serves new
+    requests (see AsyncLLMEngine for when it gives up instead)."""
+
+
 class EngineDead(PagedServeError, RuntimeError):
-    """The engine hit an internal error; it serves nothing more until restarted."""
+    """The engine hit an internal error or was shut down; it serves nothing more until restarted."""
+
+
+class EngineShuttingDown(EngineDead):
+    """The engine is draining (SIGTERM, unload) or was shut down: it accepts no new requests."""

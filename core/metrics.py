@@ -54,6 +54,10 @@ class MetricsSnapshot:
     generation_tokens_total: int
     request_success_total: dict[str, int]
     """finish_reason -> finished requests."""
+    request_refused_total: dict[str, int]
+    """reason (waiting_requests, waiting_prompt_tokens) -> requests refused at once (overload)."""
+    engine_step_failures_total: int
+    """Engine steps that raised; each ended every request in flight with an error."""
     time_to_first_token_seconds: Histogram
     inter_token_latency_seconds: Histogram
     e2e_request_latency_seconds: Histogram
@@ -65,6 +69,8 @@ class EngineMetrics:
                             prefix_cache_queries_total=0, prefix_cache_hits_total=0,
                             num_preemptions_total=0, prompt_tokens_total=0, generation_tokens_total=0)
         self._finished: dict[str, int] = {}
+        self._refused: dict[str, int] = {}
+        self._step_failures = 0
         self._ttft = Histogram(TTFT_BUCKETS)
         self._itl = Histogram(ITL_BUCKETS)
         self._e2e = Histogram(E2E_BUCKETS)
@@ -91,8 +97,16 @@ class EngineMetrics:
         self._finished[finish_reason] = self._finished.get(finish_reason, 0) + 1
         self._e2e.observe(e2e)
 
+    def observe_refused(self, reason: str) -> None:
+        self._refused[reason] = self._refused.get(reason, 0) + 1
+
+    def observe_step_failure(self) -> None:
+        self._step_failures += 1
+
     def snapshot(self) -> MetricsSnapshot:
         return MetricsSnapshot(**self._gauges, request_success_total=dict(self._finished),
+                               request_refused_total=dict(self._refused),
+                               engine_step_failures_total=self._step_failures,
                                time_to_first_token_seconds=self._ttft.copy(),
                                inter_token_latency_seconds=self._itl.copy(),
                                e2e_request_latency_seconds=self._e2e.copy())

@@ -20,6 +20,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_TIMEOUT = enum.auto()
 
     @property
     def finished(self) -> bool:
@@ -34,6 +35,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_TIMEOUT: "timeout",
 }
 
 
@@ -61,6 +63,8 @@ class Request:
     num_cached_tokens: int | None = None
     """Prompt tokens not computed at first admission: prefix-cache hits (for samples 2..n, the
     leader's prompt blocks). None until admitted; a recompute after preemption leaves it as is."""
+    deadline: float | None = None
+    """time.monotonic() after which the request ends with finish_reason "timeout"; None: never."""
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = tuple(self.prompt_token_ids)

@@ -10,7 +10,8 @@ import torch
 from pagedserve.core.async_engine import AsyncLLMEngine
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
-from pagedserve.core.errors import DuplicateRequest, EngineDead, InvalidRequest, RequestTooLong
+from pagedserve.core.errors import (DuplicateRequest, EngineDead, EngineOverloaded, EngineShuttingDown,
+                                    EngineStepFailed, InvalidRequest, RequestTooLong)
 from pagedserve.core.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -45,7 +46,8 @@ async def collect(engine: AsyncLLMEngine, rid: str, prompt, params, cancel_after
 
 def test_fifty_concurrent_streams_with_cancellations(engine_config):
     ps = prompts(50, seed=1)
-    lens = [8 + (i % 17) for i in range(50)]
+    # Cancelled requests (i % 5 == 0) are long, so the cancel always lands before they finish.
+    lens = [400 if i % 5 == 0 else 8 + (i % 17) for i in range(50)]
     offline = LLMEngine(engine_config).generate(ps, [SamplingParams(max_tokens=n, **GREEDY) for n in lens])
     engine = AsyncLLMEngine(engine_config)
 
@@ -133,32 +135,213 @@ def test_duplicate_request_id_is_rejected(engine_config):
     engine.shutdown()
 
 
-def test_step_failure_fails_every_stream_and_nothing_hangs(engine_config):
-    engine = AsyncLLMEngine(engine_config)
+def _fail_steps(engine: AsyncLLMEngine, times: int, live: int) -> None:
+    """Make the next `times` engine steps that run with `live` requests in flight raise, as a
+    broken kernel would."""
     real_step = engine.engine.step
-    calls = {"n": 0}
+    left = {"n": times}
 
     def flaky_step():
-        calls["n"] += 1
-        if calls["n"] == 4:
+        if left["n"] and len(engine.engine.scheduler.requests) >= live:
+            left["n"] -= 1
             raise RuntimeError("injected kernel failure")
         return real_step()
 
     engine.engine.step = flaky_step
 
-    async def main():
-        tasks = [collect(engine, f"f{i}", p, SamplingParams(max_tokens=50, **GREEDY))
-                 for i, p in enumerate(prompts(5, 4))]
-        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=30)
-        later = await asyncio.wait_for(
-            asyncio.gather(collect(engine, "late", [1, 2], SamplingParams(max_tokens=2)), return_exceptions=True),
-            timeout=10)
-        return results, later[0]
 
-    results, later = asyncio.run(main())
-    assert all(isinstance(r, EngineDead) and "injected kernel failure" in str(r) for r in results)
-    assert isinstance(later, EngineDead)
+def _throttle(engine: AsyncLLMEngine, seconds: float) -> None:
+    """At least `seconds` per step, so how long a request runs does not depend on machine speed."""
+    import time
+
+    real_step = engine.engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return real_step()
+
+    engine.engine.step = slow_step
+
+
+def test_step_failure_ends_every_stream_and_the_engine_recovers(engine_config):
+    engine = AsyncLLMEngine(engine_config)
+    offline = LLMEngine(engine_config)
+    _fail_steps(engine, times=1, live=5)
+    ps = prompts(5, 4)
+
+    async def main():
+        tasks = [collect(engine, f"f{i}", p, SamplingParams(max_tokens=50, **GREEDY)) for i, p in enumerate(ps)]
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=60)
+        # The same prompts again: the prefix cache was reset, so no block written in the failed
+        # step (or never written) can be reused; the text must equal the offline engine's.
+        again = await asyncio.wait_for(asyncio.gather(
+            *(collect(engine, f"g{i}", p, SamplingParams(max_tokens=12, **GREEDY)) for i, p in enumerate(ps))),
+            timeout=60)
+        return results, again
+
+    results, again = asyncio.run(main())
+    assert all(isinstance(r, EngineStepFailed) and "injected kernel failure" in str(r) for r in results), results
+    want = offline.generate(ps, SamplingParams(max_tokens=12, **GREEDY))
+    assert [tokens for tokens, _, _ in again] == [list(w.token_ids) for w in want]
+    assert engine.is_healthy()
+    assert engine.metrics.engine_step_failures_total == 1
+    _wait_idle(engine)
+    engine.engine.kv_cache_manager.check_invariants()
+    assert engine.engine.kv_cache_manager.pool.num_free_blocks == engine.engine.num_kv_blocks
+    engine.shutdown()
+
+
+def test_repeated_step_failures_kill_the_engine_and_nothing_hangs(engine_config):
+    engine = AsyncLLMEngine(engine_config)
+    _fail_steps(engine, times=3, live=1)
+
+    async def main():
+        outcomes = []
+        for i in range(3):  # each request meets one failed step in a row
+            outcomes += await asyncio.wait_for(asyncio.gather(
+                collect(engine, f"f{i}", [1, 2, 3], SamplingParams(max_tokens=5)), return_exceptions=True), 30)
+        later = await asyncio.wait_for(asyncio.gather(
+            collect(engine, "late", [1, 2], SamplingParams(max_tokens=2)), return_exceptions=True), timeout=10)
+        return outcomes, later[0]
+
+    outcomes, later = asyncio.run(main())
+    assert [type(o) for o in outcomes] == [EngineStepFailed] * 3  # each ended by its failed step
+    assert isinstance(later, EngineDead) and "restart" in str(later)
     assert not engine.is_healthy()
+    engine.shutdown()
+
+
+def test_after_shutdown_every_call_fails_fast(engine_config):
+    engine = AsyncLLMEngine(engine_config)
+
+    async def main():
+        running = asyncio.ensure_future(collect(engine, "r", [1, 2, 3], SamplingParams(max_tokens=400, **GREEDY)))
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(engine.shutdown)
+        # A stream open at shutdown, a request after it, and requests racing it all end at once.
+        return await asyncio.wait_for(asyncio.gather(
+            running, collect(engine, "after", [1, 2], SamplingParams(max_tokens=2)),
+            *(collect(engine, f"x{i}", "some text", SamplingParams(max_tokens=2)) for i in range(4)),
+            return_exceptions=True), timeout=10)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, EngineShuttingDown) for r in results), results
+    assert not engine.is_healthy()
+    engine.abort("after")  # a no-op now, never an error
+    engine.shutdown()  # idempotent
+
+
+def test_drain_lets_requests_finish_then_cuts_off_the_rest(engine_config):
+    engine = AsyncLLMEngine(engine_config)
+    _throttle(engine, 0.005)  # the long request needs at least 4.5 s, the drain period is 1 s
+
+    async def main():
+        short = asyncio.ensure_future(collect(engine, "short", [1, 2, 3], SamplingParams(max_tokens=5, **GREEDY)))
+        long = asyncio.ensure_future(collect(engine, "long", [4, 5, 6], SamplingParams(max_tokens=900, **GREEDY)))
+        await asyncio.sleep(0)
+        while engine.num_unfinished_requests < 2:
+            await asyncio.sleep(0.01)
+        drained = asyncio.ensure_future(engine.drain(timeout=1.0))
+        await asyncio.sleep(0.05)
+        refused = await asyncio.gather(collect(engine, "new", [7], SamplingParams(max_tokens=2)),
+                                       return_exceptions=True)
+        return await drained, await short, await asyncio.gather(long, return_exceptions=True), refused
+
+    cut_off, short, (long,), (refused,) = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert short[2].finish_reason == "length" and len(short[0]) == 5  # finished within the period
+    assert isinstance(long, EngineShuttingDown) and "drain period" in str(long)
+    assert isinstance(refused, EngineShuttingDown) and "accepts no new requests" in str(refused)
+    assert cut_off == 1 and not engine.is_healthy()
+
+
+def test_overload_refuses_at_once_by_count_and_by_prompt_tokens(engine_config):
+    # One request runs (max_num_seqs=1); the queue holds at most 2 requests and 40 prompt tokens.
+    config = engine_config.replace(max_num_seqs=1, max_waiting_requests=2, max_waiting_prompt_tokens=40)
+    engine = AsyncLLMEngine(config)
+
+    async def main():
+        runner = asyncio.ensure_future(collect(engine, "run", [1, 2, 3], SamplingParams(max_tokens=300, **GREEDY)))
+        while engine.metrics.num_requests_running < 1:
+            await asyncio.sleep(0.01)
+        queued = [asyncio.ensure_future(collect(engine, f"q{i}", [5] * 15, SamplingParams(max_tokens=2)))
+                  for i in range(2)]
+        while engine.metrics.num_requests_waiting < 2:
+            await asyncio.sleep(0.01)
+        (by_count,) = await asyncio.gather(collect(engine, "over", [6] * 3, SamplingParams(max_tokens=2)),
+                                           return_exceptions=True)
+        engine.abort("q1")
+        while engine.metrics.num_requests_waiting > 1:
+            await asyncio.sleep(0.01)
+        (by_tokens,) = await asyncio.gather(collect(engine, "big", [7] * 30, SamplingParams(max_tokens=2)),
+                                            return_exceptions=True)
+        fits = asyncio.ensure_future(collect(engine, "fits", [8] * 20, SamplingParams(max_tokens=2)))
+        engine.abort("run")
+        return by_count, by_tokens, await fits, await queued[0]
+
+    by_count, by_tokens, fits, first = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert isinstance(by_count, EngineOverloaded) and "max_waiting_requests=2" in str(by_count)
+    assert isinstance(by_tokens, EngineOverloaded) and "max_waiting_prompt_tokens=40" in str(by_tokens)
+    assert fits[2].finish_reason == "length" and first[2].finish_reason == "length"
+    assert engine.metrics.request_refused_total == {"waiting_requests": 1, "waiting_prompt_tokens": 1}
+    engine.shutdown()
+
+
+def test_deadlines_end_requests_with_timeout_and_free_their_blocks(engine_config):
+    # The engine-wide default (request_timeout) and a request's own timeout, which wins; one
+    # request times out while still waiting for a slot (max_num_seqs=1).
+    engine = AsyncLLMEngine(engine_config.replace(request_timeout=0.5, max_num_seqs=1))
+    _throttle(engine, 0.005)  # 900 tokens need at least 4.5 s
+
+    async def main():
+        default = asyncio.ensure_future(collect(engine, "d", [1, 2, 3], SamplingParams(max_tokens=900, **GREEDY)))
+        waiting = asyncio.ensure_future(_collect_timeout(engine, "w", [4, 5], 0.2))
+        own = await _collect_timeout(engine, "own", [6, 7], 30.0)  # runs after the others end
+        return await default, await waiting, own
+
+    default, waiting, own = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert default[2].finish_reason == "timeout" and 0 < len(default[0]) < 900
+    assert waiting[2].finish_reason == "timeout" and waiting[0] == []
+    assert own[2].finish_reason == "length" and len(own[0]) == 20
+    _wait_idle(engine)
+    assert engine.engine.kv_cache_manager.pool.num_free_blocks == engine.engine.num_kv_blocks
+    assert engine.metrics.request_success_total == {"timeout": 2, "length": 1}
+    engine.shutdown()
+
+
+async def _collect_timeout(engine, rid, prompt, timeout):
+    tokens, final = [], None
+    async for out in engine.generate(rid, prompt, SamplingParams(max_tokens=20, **GREEDY), timeout=timeout):
+        tokens.extend(out.new_token_ids)
+        final = out if out.finished else final
+    return tokens, None, final
+
+
+def test_prompts_are_tokenized_off_the_engine_thread_and_huge_ones_never(engine_config):
+    import threading
+
+    engine = AsyncLLMEngine(engine_config)
+    tokenizer = engine.engine.tokenizer
+    seen: list[tuple[int, int]] = []
+    real_encode = tokenizer.encode
+
+    def recording_encode(text, *args, **kwargs):
+        seen.append((threading.get_ident(), len(text)))
+        return real_encode(text, *args, **kwargs)
+
+    tokenizer.encode = recording_encode
+    huge = "x" * (engine.engine.max_prompt_chars + 1)
+
+    async def main():
+        ok = await collect(engine, "ok", "The paged KV cache", SamplingParams(max_tokens=3, **GREEDY))
+        (refused,) = await asyncio.gather(collect(engine, "huge", huge, SamplingParams(max_tokens=3)),
+                                          return_exceptions=True)
+        return ok, refused
+
+    ok, refused = asyncio.run(main())
+    assert len(ok[0]) == 3
+    assert isinstance(refused, RequestTooLong) and "characters" in str(refused)
+    assert [n for _, n in seen] == [len("The paged KV cache")]  # the huge prompt was never tokenized
+    assert seen[0][0] not in (engine._thread.ident, threading.get_ident())
     engine.shutdown()
 
 

@@ -29,6 +29,12 @@ def test_defaults_and_flat_keys():
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization=1.5 is out of range"),
         ({"device": "tpu"}, "device='tpu' is not supported"),
         ({"enable_prefix_caching": "yes"}, "enable_prefix_caching: expected true or false"),
+        ({"max_waiting_requests": 0}, "max_waiting_requests=0 is out of range"),
+        ({"max_waiting_prompt_tokens": -1}, "max_waiting_prompt_tokens=-1 is out of range"),
+        ({"request_timeout": 0}, "request_timeout=0.0 is out of range"),
+        ({"request_timeout": float("nan")}, "request_timeout=nan is not a number"),
+        ({"max_request_bytes": 10}, "max_request_bytes=10 is out of range"),
+        ({"drain_timeout": "5"}, "drain_timeout: expected a number"),
     ],
 )
 def test_bad_values_name_the_field(data, needle):

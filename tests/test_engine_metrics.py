@@ -1,6 +1,7 @@
 """The shared metric table both adapters export: names, kinds and histogram exposition."""
 
-from pagedserve.adapters.engine_metrics import ENGINE_METRICS, REQUEST_SUCCESS, MetricKind, cumulative_buckets
+from pagedserve.adapters.engine_metrics import (ENGINE_METRICS, LABELLED_COUNTERS, REQUEST_SUCCESS, MetricKind,
+                                                cumulative_buckets)
 from pagedserve.core.metrics import EngineMetrics
 
 ISSUE_NAMES = {
@@ -9,6 +10,7 @@ ISSUE_NAMES = {
     "pagedserve:num_preemptions_total", "pagedserve:prompt_tokens_total",
     "pagedserve:generation_tokens_total", "pagedserve:time_to_first_token_seconds",
     "pagedserve:inter_token_latency_seconds", "pagedserve:e2e_request_latency_seconds",
+    "pagedserve:engine_step_failures_total",
 }
 
 
@@ -17,6 +19,8 @@ def test_every_promised_metric_is_exported_once():
     assert set(names) == ISSUE_NAMES and len(names) == len(ISSUE_NAMES)
     for m in ENGINE_METRICS:
         assert m.name.endswith("_total") == (m.kind is MetricKind.COUNTER), m.name
+    assert [c.name for c in LABELLED_COUNTERS] == ["pagedserve:request_success_total",
+                                                   "pagedserve:request_refused_total"]
 
 
 def test_read_values_from_a_snapshot():
@@ -25,6 +29,8 @@ def test_read_values_from_a_snapshot():
         metrics.observe_first_token(v)
     metrics.observe_finished("stop", 1.0)
     metrics.observe_finished("length", 2.0)
+    metrics.observe_refused("waiting_requests")
+    metrics.observe_step_failure()
     snap = metrics.snapshot()
     by_name = {m.name: m for m in ENGINE_METRICS}
     ttft = by_name["pagedserve:time_to_first_token_seconds"].read(snap)
@@ -34,5 +40,7 @@ def test_read_values_from_a_snapshot():
     assert buckets[640.0] == 4
     assert buckets[float("inf")] == 5 == ttft.count
     assert abs(ttft.sum - 5100.009) < 1e-9
-    assert REQUEST_SUCCESS.read(snap) == 2
+    assert REQUEST_SUCCESS.read(snap) == {"stop": 1, "length": 1}
+    assert LABELLED_COUNTERS[1].read(snap) == {"waiting_requests": 1}
+    assert by_name["pagedserve:engine_step_failures_total"].read(snap) == 1
     assert by_name["pagedserve:prompt_tokens_total"].base_name == "pagedserve:prompt_tokens"

@@ -153,6 +153,7 @@ def test_metrics_collector_exports_the_snapshot():
     metrics.observe_first_token(0.003)
     metrics.observe_finished("stop", 1.2)
     metrics.observe_finished("abort", 0.4)
+    metrics.observe_refused("waiting_prompt_tokens")
     snap = metrics.snapshot()
     registry = CollectorRegistry()
     registry.register(EngineMetricsCollector(lambda: snap, "m", "7"))
@@ -165,6 +166,8 @@ def test_metrics_collector_exports_the_snapshot():
     assert samples[("pagedserve:time_to_first_token_seconds_bucket", (("le", "0.005"), *labels))] == 1
     assert samples[("pagedserve:time_to_first_token_seconds_bucket", (("le", "0.001"), *labels))] == 0
     assert samples[("pagedserve:request_success_total", (("finished_reason", "abort"), *labels))] == 1
+    refused = tuple(sorted((("reason", "waiting_prompt_tokens"), *labels)))
+    assert samples[("pagedserve:request_refused_total", refused)] == 1
     empty = CollectorRegistry()
     empty.register(EngineMetricsCollector(lambda: None, "m", "7"))
     assert b"pagedserve" not in generate_latest(empty)

@@ -89,8 +89,11 @@ class GrpcStream:
                 return res
 
     def close(self, cancel: bool = False) -> None:
+        if self.client is None:  # closed already
+            return
         self.client.stop_stream(cancel_requests=cancel)
         self.client.close()
+        self.client = None
 
 
 def grpc_request(url: str, model: str, inputs, timeout: float = 60.0) -> StreamResult:

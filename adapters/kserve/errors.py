@@ -9,7 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.core.errors import EngineDead, InvalidRequest, PagedServeError, RequestTooLong
+from pagedserve.core.errors import (EngineDead, EngineOverloaded, EngineShuttingDown, EngineStepFailed,
+                                    InvalidRequest, PagedServeError, RequestTooLong)
+
+RETRY_AFTER_S = 1
+"""Retry-After (seconds) on 429/503 answers a client may retry: a full queue, a draining server."""
 
 
 @dataclass
@@ -21,6 +25,8 @@ class OpenAIError(Exception):
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
+    retry_after: int | None = None
+    """Seconds for the Retry-After header, when retrying can help."""
 
     def __str__(self) -> str:
         return self.message
@@ -34,8 +40,16 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return OpenAIError(400, str(exc), param=exc.param, code="context_length_exceeded")
     if isinstance(exc, InvalidRequest):  # also DuplicateRequest
         return OpenAIError(400, str(exc), param=exc.param)
+    if isinstance(exc, EngineOverloaded):  # the waiting queue is full: back off and retry
+        return OpenAIError(429, str(exc), type="server_overloaded_error", code="queue_full",
+                           retry_after=RETRY_AFTER_S)
+    if isinstance(exc, EngineShuttingDown):  # draining: retry, the load balancer routes elsewhere
+        return OpenAIError(503, str(exc), type="service_unavailable_error", code="shutting_down",
+                           retry_after=RETRY_AFTER_S)
     if isinstance(exc, EngineDead):  # the engine serves nothing more: tell load balancers to go elsewhere
         return OpenAIError(503, str(exc), type="service_unavailable_error", code="engine_dead")
+    if isinstance(exc, EngineStepFailed):  # the engine recovered; this request was lost
+        return OpenAIError(500, str(exc), type="server_error", code="engine_step_failed")
     if isinstance(exc, PagedServeError):
         return OpenAIError(500, str(exc), type="server_error")
     return OpenAIError(500, f"internal error: {exc!r}", type="server_error")
@@ -43,6 +57,10 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
 
 def error_body(err: OpenAIError) -> dict[str, Any]:
     return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+
+
+def error_headers(err: OpenAIError) -> dict[str, str] | None:
+    return {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
 
 
 def model_not_found(requested: str, served: str) -> OpenAIError:

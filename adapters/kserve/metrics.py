@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from pagedserve.adapters.engine_metrics import ENGINE_METRICS, REQUEST_SUCCESS, MetricKind, cumulative_buckets
+from pagedserve.adapters.engine_metrics import ENGINE_METRICS, LABELLED_COUNTERS, MetricKind, cumulative_buckets
 from pagedserve.core.metrics import MetricsSnapshot
 
 LABELS = ("model", "version")
@@ -45,8 +45,8 @@ class EngineMetricsCollector:
                 family.add_metric(self._labels, [(floatToGoString(b), c) for b, c in cumulative_buckets(value)],
                                   sum_value=value.sum)
             yield family
-        success = CounterMetricFamily(REQUEST_SUCCESS.base_name, REQUEST_SUCCESS.description,
-                                      labels=(*LABELS, "finished_reason"))
-        for reason, count in sorted(snap.request_success_total.items()):
-            success.add_metric([*self._labels, reason], count)
-        yield success
+        for counter in LABELLED_COUNTERS:
+            family = CounterMetricFamily(counter.base_name, counter.description, labels=(*LABELS, counter.label))
+            for value, count in sorted(counter.read(snap).items()):
+                family.add_metric([*self._labels, value], count)
+            yield family

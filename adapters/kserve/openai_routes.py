@@ -23,8 +23,9 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pagedserve.adapters.kserve.errors import (OpenAIError, error_body, model_not_found, not_ready,
+from pagedserve.adapters.kserve.errors import (OpenAIError, error_body, error_headers, model_not_found, not_ready,
                                                to_openai_error)
+from pagedserve.adapters.kserve.guards import request_timeout
 from pagedserve.adapters.kserve.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from pagedserve.adapters.kserve.responses import ChatRenderer, CompletionRenderer, StreamUsage, _Renderer
 from pagedserve.core.async_engine import AsyncLLMEngine
@@ -46,7 +47,7 @@ class ClientDisconnected(Exception):
 
 def error_response(exc: BaseException) -> JSONResponse:
     err = to_openai_error(exc)
-    return JSONResponse(error_body(err), status_code=err.status)
+    return JSONResponse(error_body(err), status_code=err.status, headers=error_headers(err))
 
 
 def _event(data: dict[str, Any]) -> str:
@@ -54,18 +55,18 @@ def _event(data: dict[str, Any]) -> str:
 
 
 async def generate_all(engine: AsyncLLMEngine, request_id: str, prompts: Sequence[str | list[int]],
-                       params: SamplingParams) -> AsyncIterator[Output]:
+                       params: SamplingParams, timeout: float | None = None) -> AsyncIterator[Output]:
     """Deltas of every prompt of one HTTP request, as they come. Closing this iterator (or an
     error in one prompt) closes every engine stream, which aborts their requests."""
     if len(prompts) == 1:  # the common case, without the extra tasks
-        async for out in engine.generate(request_id, prompts[0], params):
+        async for out in engine.generate(request_id, prompts[0], params, timeout=timeout):
             yield 0, out
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, prompt: str | list[int]) -> None:
         try:
-            async for out in engine.generate(f"{request_id}-{i}", prompt, params):
+            async for out in engine.generate(f"{request_id}-{i}", prompt, params, timeout=timeout):
                 queue.put_nowait((i, out))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, never lost in a task
             queue.put_nowait((i, exc))
@@ -163,8 +164,12 @@ class OpenAIServing:
         try:
             req, engine = await self._accept(ChatCompletionRequest, request)
             params = req.sampling_params()
-            prompt = engine.engine.apply_chat_template([m.as_template_input() for m in req.messages],
-                                                       add_generation_prompt=req.add_generation_prompt is not False)
+            messages = [m.as_template_input() for m in req.messages]
+            # The contents alone longer than any prompt can be: refuse before rendering; render on a
+            # worker thread, not on the event loop every other request needs.
+            engine.engine.check_prompt_chars(sum(len(m["content"]) for m in messages))
+            prompt = await asyncio.to_thread(engine.engine.apply_chat_template, messages,
+                                             add_generation_prompt=req.add_generation_prompt is not False)
         except (OpenAIError, PagedServeError) as exc:
             return error_response(exc)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -174,7 +179,11 @@ class OpenAIServing:
 
     async def _respond(self, request: Request, engine: AsyncLLMEngine, prompts: Sequence[str | list[int]],
                        params: SamplingParams, renderer: _Renderer, stream: bool, usage: StreamUsage) -> Response:
-        outputs = generate_all(engine, renderer.request_id, prompts, params)
+        try:
+            timeout = request_timeout(request.headers)
+        except OpenAIError as exc:
+            return error_response(exc)
+        outputs = generate_all(engine, renderer.request_id, prompts, params, timeout)
         try:
             if not stream:
                 await until_disconnected(request, _collect(outputs, renderer))

@@ -1,7 +1,8 @@
 """`pagedserve kserve`: a kserve ModelServer serving one pagedserve model.
 
     pagedserve kserve --model PATH_OR_default --model-name NAME [--host 0.0.0.0]
-                      [--http-port 8080] [--grpc-port 8081] [--no-grpc] [--max-model-len N] [engine flags]
+                      [--http-port 8080] [--grpc-port 8081] [--no-grpc] [--api-key KEY]
+                      [--max-model-len N] [engine and limit flags]
 
 Routes: OpenAI (/openai/v1/completions, /chat/completions, /models), Open Inference Protocol v2
 (REST and gRPC ModelInfer), v1 :predict, health and readiness, /metrics. Arguments are parsed in
@@ -13,8 +14,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
+from collections.abc import Callable
 
+from pagedserve.adapters.kserve.guards import API_KEY_ENV
 from pagedserve.core.cli import _engine_args, engine_config_from_args
 from pagedserve.core.errors import PagedServeError
 
@@ -31,11 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8080)
     p.add_argument("--grpc-port", type=int, default=8081)
     p.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
+    p.add_argument("--api-key", default=None,
+                   help=f"require `Authorization: Bearer KEY` on the OpenAI routes (default: ${API_KEY_ENV}, "
+                        "if set; else no key)")
     return p
 
 
-def _bind_host(host: str) -> None:
-    """kserve 0.21 hard-codes 0.0.0.0 (HTTP) and [::] (gRPC); make both bind `host` instead."""
+def _patch_rest_server(host: str, on_shutdown_signal: Callable[[], None]) -> None:
+    """kserve 0.21 hard-codes 0.0.0.0 (HTTP) and [::] (gRPC); make both bind `host` instead.
+    And start the drain the moment uvicorn takes SIGTERM/SIGINT: uvicorn stops accepting
+    connections at once (so readiness probes fail) and waits for the open ones."""
     from grpc import aio
     from kserve import model_server
     from kserve.protocol.grpc import server as grpc_server
@@ -44,6 +54,13 @@ def _bind_host(host: str) -> None:
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.config.host = host
+            uvicorn_handle_exit = self._server.handle_exit
+
+            def handle_exit(sig, frame) -> None:
+                on_shutdown_signal()
+                uvicorn_handle_exit(sig, frame)
+
+            self._server.handle_exit = handle_exit  # looked up when uvicorn installs its handlers
 
     grpc_host = f"[{host}]" if ":" in host else host
 
@@ -63,6 +80,21 @@ def _bind_host(host: str) -> None:
         grpc_server.aio = GrpcAio()
 
 
+def _install_guards(app, limits, api_key: str | None) -> None:
+    """Body size limit and API key in front of every route; HTTP status and Retry-After for the
+    v1/v2 routes' overload and drain answers (kserve's own error handler always answers 500)."""
+    from fastapi.responses import JSONResponse
+
+    from pagedserve.adapters.kserve.guards import RequestGuard
+    from pagedserve.adapters.kserve.model import HTTPStatusError
+
+    async def status_error(_request, exc: HTTPStatusError) -> JSONResponse:
+        return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)
+
+    app.add_middleware(RequestGuard, max_request_bytes=limits.max_request_bytes, api_key=api_key)
+    app.add_exception_handler(HTTPStatusError, status_error)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -79,12 +111,21 @@ def main(argv: list[str] | None = None) -> int:
     from pagedserve.adapters.kserve.model import PagedServeModel
     from pagedserve.adapters.kserve.openai_routes import OpenAIServing
 
-    _bind_host(args.host)
-    model = PagedServeModel(args.model_name, config, version=args.model_version)
+    # A dead engine stops the server the way SIGTERM does (drain, exit), so the platform restarts it.
+    model = PagedServeModel(args.model_name, config, version=args.model_version,
+                            on_engine_dead=lambda: os.kill(os.getpid(), signal.SIGTERM))
+    _patch_rest_server(args.host, model.begin_drain)
+    _install_guards(model_server.app, config.limits, args.api_key or os.environ.get(API_KEY_ENV))
     OpenAIServing(args.model_name, model.warm_engine).register(model_server.app)
     REGISTRY.register(EngineMetricsCollector(model.metrics_snapshot, args.model_name, args.model_version))
+    # uvicorn's own graceful-shutdown timeout is a backstop a little past the drain period.
+    grace = int(config.limits.drain_timeout) + 5
     ModelServer(http_port=args.http_port, grpc_port=args.grpc_port, enable_grpc=not args.no_grpc,
-                workers=1).start([model])
+                workers=1, grace_period=grace).start([model])
+    if model.engine_failed:
+        print("pagedserve kserve: the engine failed; exiting so that the platform restarts the server",
+              file=sys.stderr)
+        return 1
     return 0
 
 

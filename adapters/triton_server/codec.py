@@ -38,6 +38,9 @@ _FLOAT_KEYS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_
 _BOOL_KEYS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 RESERVED_PARAMETER_PREFIX = "triton_"
 """Request parameters Triton's own frontends set (e.g. triton_enable_empty_final_response)."""
+TIMEOUT_PARAMETER = "timeout"
+"""Triton's request-timeout parameter (microseconds). gRPC clients' `timeout=` reaches the model as
+the request's timeout; a `/generate` body's "timeout" key arrives as this request parameter."""
 
 
 def scalar(array: np.ndarray | None, name: str) -> Any:
@@ -109,8 +112,22 @@ def split_request_parameters(parameters_json: str | None, inputs: Sequence[str])
     params = parse_json_object(parameters_json, "request parameters") if parameters_json else {}
     as_inputs = {k: v for k, v in params.items() if k in inputs}
     sampling = {k: v for k, v in params.items()
-                if k not in inputs and not k.startswith(RESERVED_PARAMETER_PREFIX)}
+                if k not in inputs and k != TIMEOUT_PARAMETER and not k.startswith(RESERVED_PARAMETER_PREFIX)}
     return as_inputs, sampling
+
+
+def timeout_seconds(request_timeout_us: int, parameters_json: str | None) -> float | None:
+    """A request's own deadline in seconds: Triton's request timeout, else the request parameter
+    "timeout" (both in microseconds, Triton's unit); None when neither is set."""
+    micros: object = request_timeout_us
+    if not micros and parameters_json:
+        micros = parse_json_object(parameters_json, "request parameters").get(TIMEOUT_PARAMETER)
+    if micros is None or micros == 0:
+        return None
+    if isinstance(micros, bool) or not isinstance(micros, int) or micros < 0:
+        raise InvalidRequest(f"timeout={micros!r}: expected a positive integer number of microseconds "
+                             "(Triton's request timeout), e.g. 30000000 for 30 s")
+    return micros / 1e6
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ status (INVALID_ARG -> 400, UNAVAILABLE -> 503, ...), so the mapping here decide
 
 from __future__ import annotations
 
-from pagedserve.core.errors import DuplicateRequest, EngineDead, InvalidRequest
+from pagedserve.core.errors import DuplicateRequest, EngineDead, EngineOverloaded, EngineStepFailed, InvalidRequest
 
 CANCELLED_MESSAGE = "request cancelled by the client; its engine request was aborted and its KV blocks freed"
 
@@ -17,13 +17,13 @@ def error_code_name(exc: BaseException) -> str:
         return "ALREADY_EXISTS"
     if isinstance(exc, InvalidRequest):  # RequestTooLong included
         return "INVALID_ARG"
-    if isinstance(exc, EngineDead):
+    if isinstance(exc, (EngineDead, EngineOverloaded)):  # dead, draining, or a full queue: try elsewhere/later
         return "UNAVAILABLE"
-    return "INTERNAL"
+    return "INTERNAL"  # EngineStepFailed included: the engine recovered, this request was lost
 
 
 def error_message(exc: BaseException) -> str:
-    if isinstance(exc, (InvalidRequest, EngineDead)):
+    if isinstance(exc, (InvalidRequest, EngineDead, EngineOverloaded, EngineStepFailed)):
         return str(exc)
     # Not a caller's fault: say what broke, the server log has the traceback.
     return f"internal error in pagedserve: {type(exc).__name__}: {exc}"

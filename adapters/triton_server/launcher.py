@@ -42,6 +42,10 @@ from pagedserve.adapters.triton_server.engine_config import MODEL_OVERRIDE_ENV
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 """The shipped repository (one model, pagedserve): model_repository/ of a source checkout, or the
 same folder installed as package data (site-packages/pagedserve/model_repository) from a wheel."""
+EXIT_TIMEOUT_S = 30
+"""tritonserver's --exit-timeout-secs: one budget for a stopping server to wait for its open HTTP
+connections and then for its models to unload. It must exceed the models' drain_timeout
+(engine.json, default 20 s), which the model spends letting requests in flight finish."""
 
 
 def wheel_dir() -> Path:
@@ -148,7 +152,7 @@ class TritonServer:
         tail = self.log_path.read_text(errors="replace").splitlines()[-30:]
         return f"; last log lines ({self.log_path}):\n" + "\n".join(tail)
 
-    def stop(self, timeout: float = 20.0) -> None:
+    def stop(self, timeout: float = EXIT_TIMEOUT_S + 10) -> None:
         stop_process(self.process, signal.SIGINT, timeout, kill_timeout=5)
         for region in glob.glob(f"/dev/shm/{self.shm_prefix}*"):
             try:
@@ -175,7 +179,7 @@ def start_server(model_repository: str | Path = DEFAULT_REPOSITORY, *, host: str
            f"--http-address={host}", f"--grpc-address={host}", f"--metrics-address={host}",
            f"--http-port={http_port}", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}",
            "--disable-auto-complete-config", "--pinned-memory-pool-byte-size=0", "--allow-gpu-metrics=false",
-           "--exit-timeout-secs=5", "--backend-config=python,shm-default-byte-size=4194304",
+           f"--exit-timeout-secs={EXIT_TIMEOUT_S}", "--backend-config=python,shm-default-byte-size=4194304",
            f"--backend-config=python,shm-region-prefix-name={shm_prefix}"]
     if models:
         cmd += ["--model-control-mode=explicit", *(f"--load-model={m}" for m in models)]

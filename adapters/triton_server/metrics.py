@@ -21,7 +21,7 @@ import math
 import threading
 from collections.abc import Callable
 
-from pagedserve.adapters.engine_metrics import ENGINE_METRICS, REQUEST_SUCCESS, MetricKind
+from pagedserve.adapters.engine_metrics import ENGINE_METRICS, LABELLED_COUNTERS, MetricKind
 from pagedserve.core.metrics import Histogram, MetricsSnapshot
 
 logger = logging.getLogger(__name__)
@@ -77,9 +77,10 @@ class TritonEngineMetrics:
                 self.metrics[m.name] = family.Metric(labels=labels, buckets=buckets)
             else:
                 self.metrics[m.name] = family.Metric(labels=labels)
-        self.families[REQUEST_SUCCESS.name] = MF(name=REQUEST_SUCCESS.name, description=REQUEST_SUCCESS.description,
-                                                 kind=MF.COUNTER)
-        self.success_by_reason: dict[str, object] = {}
+        for counter in LABELLED_COUNTERS:
+            self.families[counter.name] = MF(name=counter.name, description=counter.description, kind=MF.COUNTER)
+        self.labelled: dict[tuple[str, str], object] = {}
+        """(family name, label value) -> its metric, created when the value first occurs."""
         self.last: MetricsSnapshot | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -120,13 +121,14 @@ class TritonEngineMetrics:
                 else:
                     for v in replay_observations(m.read(last) if last is not None else None, value):
                         metric.observe(v)
-            before = last.request_success_total if last is not None else {}
-            for reason, count in snap.request_success_total.items():
-                delta = count - before.get(reason, 0)
-                if delta > 0:
-                    if reason not in self.success_by_reason:
-                        family = self.families[REQUEST_SUCCESS.name]
-                        self.success_by_reason[reason] = family.Metric(
-                            labels={**self.labels, "finished_reason": reason})
-                    self.success_by_reason[reason].increment(float(delta))
+            for counter in LABELLED_COUNTERS:
+                before = counter.read(last) if last is not None else {}
+                for value, count in counter.read(snap).items():
+                    delta = count - before.get(value, 0)
+                    if delta > 0:
+                        key = (counter.name, value)
+                        if key not in self.labelled:
+                            self.labelled[key] = self.families[counter.name].Metric(
+                                labels={**self.labels, counter.label: value})
+                        self.labelled[key].increment(float(delta))
             self.last = snap

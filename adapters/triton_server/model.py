@@ -11,6 +11,12 @@ model_repository/<name>/1/model.py imports this class. Per model instance (one s
   out from the loop thread through the request's response sender.
 * Every request ends with exactly one response flagged FINAL: the last data response on success,
   else a TritonError (the caller's mistake, an engine failure, or CANCELLED).
+* Drain: a Python model is not told that the server is shutting down; the watcher polls
+  pb_utils.is_model_ready() and, once Triton reports the model not ready (SIGTERM, an unload),
+  lets the requests in flight run for drain_timeout and then ends the rest with UNAVAILABLE.
+  Triton itself already refuses new requests then. finalize() drains the same way.
+* A dead engine (repeated step failures) unloads the model (pb_utils.unload_model, as
+  vllm_backend does; only in explicit model-control mode), so readiness reports it.
 
 The model translates only: the engine batches and schedules.
 """
@@ -28,16 +34,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pagedserve.adapters.triton_server.codec import TextRequest, TextResponseBuilder
+from pagedserve.adapters.triton_server.codec import TextRequest, TextResponseBuilder, timeout_seconds
 from pagedserve.adapters.triton_server.contracts import ALL_INPUTS, contract_from_config, parse_request
 from pagedserve.adapters.triton_server.errors import cancelled_error, to_triton_error
 from pagedserve.adapters.triton_server.engine_config import ENGINE_JSON, MODEL_OVERRIDE_ENV, load_engine_config
 from pagedserve.adapters.triton_server.metrics import TritonEngineMetrics
 from pagedserve.adapters.triton_server.token_codec import TokenResponseBuilder
 from pagedserve.core.async_engine import AsyncLLMEngine
-from pagedserve.core.errors import ConfigError, PagedServeError
+from pagedserve.core.errors import ConfigError, InvalidRequest, PagedServeError
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +54,21 @@ watcher for requests that get no delta (queued, long prefill). A poll is a round
 process; polling on every delta took about 0.8 s of a 4 s run of bench/triton_stream.py on the tiny
 test model (one poll per token), while 0.1 s is far below what a client notices."""
 FINAL = 1  # pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL (the stub defines it as 1)
+READY_POLL_S = 0.5
+"""How often the model asks Triton whether it is still ready (a BLS round trip of about 1 ms)."""
+
+
+def input_bytes(tensors: dict[str, np.ndarray | None]) -> int:
+    """Bytes a request's inputs carry (BYTES elements by their length)."""
+    total = 0
+    for array in tensors.values():
+        if array is None:
+            continue
+        if array.dtype == object:
+            total += sum(len(x) for x in array.reshape(-1) if isinstance(x, (bytes, str)))
+        else:
+            total += array.nbytes
+    return total
 
 
 @dataclass(eq=False)
@@ -72,6 +94,8 @@ class TritonPythonModel:
         self.contract = contract_from_config(model_config)
         path = Path(args["model_repository"]) / args["model_version"] / ENGINE_JSON
         config = load_engine_config(path, os.environ.get(MODEL_OVERRIDE_ENV))
+        self.limits = config.limits
+        self.model_name = args["model_name"]
         self.engine = AsyncLLMEngine(config)
         self.tokenizer = self.engine.engine.tokenizer
         self._ids = itertools.count()
@@ -81,7 +105,9 @@ class TritonPythonModel:
         self._loop_thread = threading.Thread(target=self.loop.run_forever, name="pagedserve-loop", daemon=True)
         self._loop_thread.start()
         self._closing = threading.Event()
-        self._watcher = asyncio.run_coroutine_threadsafe(self._watch_cancellations(), self.loop)
+        self._drain = None
+        """The drain in progress (a concurrent Future), once Triton stopped routing to the model."""
+        self._watcher = asyncio.run_coroutine_threadsafe(self._watch(), self.loop)
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.metrics = TritonEngineMetrics(pb_utils, lambda: self.engine.metrics, labels)
         logger.info("pagedserve: model %s (%s contract) ready", args["model_name"], self.contract)
@@ -92,11 +118,13 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 parsed = self._parse(request)
+                timeout = timeout_seconds(request.timeout() if hasattr(request, "timeout") else 0,
+                                          request.parameters())
             except Exception as exc:  # noqa: BLE001 - every failure becomes the request's final error
                 self._send_error(sender, exc)
                 continue
             request_id = f"{request.request_id() or 'triton'}-{next(self._ids)}"
-            asyncio.run_coroutine_threadsafe(self._serve(request_id, parsed, sender), self.loop)
+            asyncio.run_coroutine_threadsafe(self._serve(request_id, parsed, sender, timeout), self.loop)
         return None
 
     def _parse(self, request):
@@ -104,10 +132,14 @@ class TritonPythonModel:
         for name in ALL_INPUTS:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             tensors[name] = tensor.as_numpy() if tensor is not None else None
+        size = input_bytes(tensors)
+        if size > self.limits.max_request_bytes:  # checked before the prompt is even decoded
+            raise InvalidRequest(f"the request's inputs are {size} bytes, over max_request_bytes="
+                                 f"{self.limits.max_request_bytes} (engine.json); send a shorter prompt")
         return parse_request(tensors, request.parameters(), self.contract)
 
     # -- serving (loop thread) ----------------------------------------------------------------------
-    async def _serve(self, request_id: str, parsed, sender) -> None:
+    async def _serve(self, request_id: str, parsed, sender, timeout: float | None) -> None:
         final_sent = False
         try:
             if isinstance(parsed, TextRequest):
@@ -119,7 +151,8 @@ class TritonPythonModel:
                 return
             live = self._live[request_id] = _Live(sender, time.monotonic())
             finished, n = 0, parsed.params.n
-            async with contextlib.aclosing(self.engine.generate(request_id, prompt, parsed.params)) as stream:
+            stream = self.engine.generate(request_id, prompt, parsed.params, timeout=timeout)
+            async with contextlib.aclosing(stream):
                 async for out in stream:
                     if out.finish_reason == "abort" or live.cancelled():
                         break  # leaving the `async with` aborts the engine request if it still runs
@@ -140,8 +173,11 @@ class TritonPythonModel:
             self._live.pop(request_id, None)
             self.metrics.poke()
 
-    async def _watch_cancellations(self) -> None:
-        """Abort requests whose client went away while they produced no delta (queued, prefilling)."""
+    async def _watch(self) -> None:
+        """Abort requests whose client went away while they produced no delta (queued,
+        prefilling); start the drain once Triton reports the model not ready; unload the model
+        once the engine is dead."""
+        seen_ready, last_ready_poll, dead_reported = False, 0.0, False
         while not self._closing.is_set():
             await asyncio.sleep(CANCEL_POLL_S)
             for request_id, live in list(self._live.items()):
@@ -150,6 +186,41 @@ class TritonPythonModel:
                         self.engine.abort(request_id)  # its stream ends with an "abort" output
                 except Exception:  # noqa: BLE001 - keep watching the others
                     logger.exception("pagedserve: cancellation check of %s failed", request_id)
+            if self._drain is None and time.monotonic() - last_ready_poll >= READY_POLL_S:
+                last_ready_poll = time.monotonic()
+                ready = await asyncio.to_thread(self._model_ready)
+                if ready is False and seen_ready:  # before the first True the server is still starting
+                    self._begin_drain("Triton reports the model not ready (server shutdown or unload)")
+                seen_ready = seen_ready or bool(ready)
+            if not dead_reported and self._drain is None and not self.engine.is_healthy():
+                dead_reported = True
+                await asyncio.to_thread(self._unload_dead_model)
+
+    def _model_ready(self) -> bool | None:
+        """Triton's view of this model; None where the stub cannot ask (no BLS model API)."""
+        if not hasattr(pb_utils, "is_model_ready"):
+            return None
+        try:
+            return bool(pb_utils.is_model_ready(self.model_name))
+        except Exception:  # noqa: BLE001 - "Server not ready": shutting down
+            return False
+
+    def _unload_dead_model(self) -> None:
+        logger.error("pagedserve: the engine failed and cannot serve; unloading model %s so that its readiness "
+                     "reports it", self.model_name)
+        try:
+            pb_utils.unload_model(self.model_name)  # returns at once; Triton unloads in the background
+        except Exception as exc:  # noqa: BLE001 - only explicit model-control mode allows it
+            logger.error("pagedserve: could not unload model %s (%s); it answers UNAVAILABLE until the server "
+                         "is restarted or the model reloaded", self.model_name, exc)
+
+    def _begin_drain(self, why: str) -> None:
+        """Refuse new requests, give those in flight drain_timeout, then end the rest (UNAVAILABLE)."""
+        if self._drain is not None:
+            return
+        logger.info("pagedserve: draining model %s: %s; %d request(s) in flight get up to %g s",
+                    self.model_name, why, len(self._live), self.limits.drain_timeout)
+        self._drain = asyncio.run_coroutine_threadsafe(self.engine.drain(self.limits.drain_timeout), self.loop)
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -171,8 +242,16 @@ class TritonPythonModel:
         return True
 
     def finalize(self) -> None:
-        # Open requests get EngineDead -> an UNAVAILABLE final response each, then the loop stops.
-        self.engine.shutdown()
+        # Drain (if the watcher has not started it): the requests still open get drain_timeout,
+        # then EngineShuttingDown -> an UNAVAILABLE final response each; then the loop stops.
+        self._begin_drain("the model is being unloaded")
+        try:
+            cut_off = self._drain.result(timeout=self.limits.drain_timeout + 15)
+            if cut_off:
+                logger.warning("pagedserve: drain period over: %d request(s) ended with UNAVAILABLE", cut_off)
+        except Exception:  # noqa: BLE001 - unloading either way
+            logger.warning("pagedserve: the drain did not finish cleanly", exc_info=True)
+            self.engine.shutdown()
         deadline = time.monotonic() + 5.0
         while self._live and time.monotonic() < deadline:
             time.sleep(0.05)

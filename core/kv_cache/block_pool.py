@@ -88,6 +88,14 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash] = block
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (their K/V can no longer be trusted). Only with every block free."""
+        if self.num_used_blocks:
+            raise RuntimeError(f"cannot reset the prefix cache while {self.num_used_blocks} blocks are in use")
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+
     def check_invariants(self, owners: dict[int, int]) -> None:
         """Raise AssertionError unless every block is owned `ref_cnt` times or free, exactly once.
 

@@ -134,6 +134,12 @@ class KVCacheManager:
         """Drop per-request hash state once the request is finished for good."""
         self._req_to_hashes.pop(request.request_id, None)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix and all per-request state; only when no request holds blocks."""
+        self.pool.reset_prefix_cache()
+        self._req_to_hashes.clear()
+        self._num_cached_blocks.clear()
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 

@@ -1,0 +1,293 @@
+"""A bounded soak of a real `pagedserve kserve` server: abuse and overload for a few minutes, then
+check that nothing leaked and nothing hung.
+
+    python bench/soak.py [--model default] [--duration 180] [--concurrency 8] [--seed 0]
+                         [--max-num-seqs 8] [--max-waiting-requests 8] [--num-kv-blocks 512]
+
+What it does. The server runs in a subprocess (bench and server compete for the same CPUs) with a
+fixed KV pool (--num-kv-blocks) and a small waiting-queue bound. `--concurrency` clients loop until
+the duration is over, each request drawn at random:
+
+* stream (50%): a streamed completion, random prompt (5-300 words, fitting max_model_len) and
+  max_tokens (1-64);
+* whole (10%): the same, not streamed;
+* cancel (15%): a stream the client drops after a random number of deltas;
+* deadline (10%): a stream with X-Request-Timeout 0.05-1 s (finish_reason "timeout" or done);
+* malformed (15%): bad JSON, a wrong type, an out-of-range value, an unknown model, a 9 MB body,
+  a prompt longer than max_model_len, a bad X-Request-Timeout: each must get its 4xx.
+
+Halfway through, one burst of max_num_seqs + max_waiting_requests + 16 streams arrives at once:
+the ones past the queue bound must be refused at once (429), not queued.
+
+At the end it waits for the server to go idle and prints: requests served, refused (429/503),
+cancelled, timed out, errors by kind, leaked KV blocks (kv_cache_usage_perc x the pool; must be
+0), requests that hung (no answer within --request-limit; must be 0), the server's RSS after
+warm-up and at the end beside the KV pool's size (growth must stay below it plus RSS_SLACK_MIB), p50/p99 TTFT and
+inter-token latency seen by the clients. Exit status 1 if anything leaked or hung, or a request
+got an answer it should not have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import FALLBACK_TEXT  # noqa: E402
+
+from pagedserve.adapters.kserve.launch import start_kserve  # noqa: E402
+
+MODEL_NAME = "soak"
+WORDS = FALLBACK_TEXT.split()
+RSS_SLACK_MIB = 64
+"""RSS growth allowed beyond the KV pool: the first requests warm up allocator arenas, tokenizer
+and HTTP buffers (about 15-40 MiB measured here); a leak grows with the number of requests."""
+MALFORMED = ("bad_json", "wrong_type", "out_of_range", "unknown_model", "huge_body", "too_long", "bad_timeout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default", help="model path, or 'default' (SmolLM2-135M)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--duration", type=float, default=180.0, help="seconds of load")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-waiting-requests", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--num-kv-blocks", type=int, default=512)
+    p.add_argument("--request-limit", type=float, default=300.0, help="a request not answered within this hung")
+    return p
+
+
+class Soak:
+    def __init__(self, url: str, args: argparse.Namespace, count_tokens) -> None:
+        self.url, self.args, self.count_tokens = url, args, count_tokens
+        self.counts: Counter = Counter()
+        self.errors: Counter = Counter()
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+
+    # -- one request ---------------------------------------------------------------------------
+    def _prompt(self, rng: random.Random) -> str:
+        """5-300 words that fit max_model_len with 64 tokens to spare (too long is the malformed
+        kind's business, not this one's)."""
+        n, start = rng.randint(5, 300), rng.randrange(len(WORDS))
+        while True:
+            prompt = " ".join(WORDS[(start + i) % len(WORDS)] for i in range(n))
+            if n <= 5 or self.count_tokens(prompt) + 64 < self.args.max_model_len:
+                return prompt
+            n //= 2
+
+    async def _stream(self, client: httpx.AsyncClient, body: dict, headers: dict | None = None,
+                      drop_after: int | None = None) -> None:
+        sent = time.monotonic()
+        last, finish = None, None
+        async with client.stream("POST", f"{self.url}/openai/v1/completions", json={**body, "stream": True},
+                                 headers=headers) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                return self._status(resp)
+            deltas = 0
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    self.errors[f"stream:{chunk['error'].get('code') or chunk['error'].get('type')}"] += 1
+                    return
+                now = time.monotonic()
+                (self.ttft if last is None else self.itl).append(now - (sent if last is None else last))
+                last, deltas = now, deltas + 1
+                finish = chunk["choices"][0]["finish_reason"] or finish
+                if drop_after is not None and deltas >= drop_after:
+                    self.counts["cancelled"] += 1
+                    return  # leaving the block closes the connection: the server aborts the request
+        self.counts["timed_out" if finish == "timeout" else "served"] += 1
+
+    async def _whole(self, client: httpx.AsyncClient, body: dict) -> None:
+        resp = await client.post(f"{self.url}/openai/v1/completions", json=body)
+        if resp.status_code != 200:
+            return self._status(resp)
+        self.counts["served"] += 1
+
+    def _status(self, resp: httpx.Response) -> None:
+        if resp.status_code in (429, 503):
+            assert resp.headers.get("retry-after"), f"{resp.status_code} without Retry-After"
+            self.counts[f"refused_{resp.status_code}"] += 1
+        else:
+            self.errors[f"unexpected_{resp.status_code}:{resp.text[:80]}"] += 1
+
+    async def _malformed(self, client: httpx.AsyncClient, kind: str) -> None:
+        url, ok = f"{self.url}/openai/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+        headers, content, expect = None, None, 400
+        if kind == "bad_json":
+            content, expect = b'{"model": "soak", "prompt": ', (400, 422)
+        elif kind == "wrong_type":
+            content = json.dumps({**ok, "temperature": "hot"}).encode()
+        elif kind == "out_of_range":
+            content = json.dumps({**ok, "max_tokens": -1}).encode()
+        elif kind == "unknown_model":
+            content, expect = json.dumps({**ok, "model": "nope"}).encode(), 404
+        elif kind == "huge_body":
+            content, expect = json.dumps({**ok, "prompt": "a" * (9 * 2**20)}).encode(), 413
+        elif kind == "too_long":
+            content = json.dumps({**ok, "prompt": "a" * (20 * self.args.max_model_len * 8)}).encode()
+        else:
+            content, headers = json.dumps(ok).encode(), {"X-Request-Timeout": "-3"}
+        resp = await client.post(url, content=content, headers={"Content-Type": "application/json", **(headers or {})})
+        expected = expect if isinstance(expect, tuple) else (expect,)
+        if resp.status_code in expected and "error" in resp.json():
+            self.counts["malformed_rejected"] += 1
+        elif resp.status_code in (429, 503):
+            self._status(resp)
+        else:
+            self.errors[f"malformed_{kind}_got_{resp.status_code}"] += 1
+
+    async def one(self, client: httpx.AsyncClient, rng: random.Random) -> None:
+        body = {"model": MODEL_NAME, "prompt": self._prompt(rng), "max_tokens": rng.randint(1, 64),
+                "temperature": rng.choice([0.0, 0.8])}
+        kind = rng.choices(["stream", "whole", "cancel", "deadline", "malformed"], [50, 10, 15, 10, 15])[0]
+        coro = {"stream": lambda: self._stream(client, body),
+                "whole": lambda: self._whole(client, body),
+                "cancel": lambda: self._stream(client, {**body, "max_tokens": 64}, drop_after=rng.randint(1, 8)),
+                "deadline": lambda: self._stream(client, {**body, "max_tokens": 64},
+                                                 headers={"X-Request-Timeout": f"{rng.uniform(0.05, 1.0):.2f}"}),
+                "malformed": lambda: self._malformed(client, rng.choice(MALFORMED))}[kind]
+        try:
+            await asyncio.wait_for(coro(), self.args.request_limit)
+        except asyncio.TimeoutError:
+            self.errors["hung"] += 1
+        except httpx.HTTPError as exc:
+            self.errors[f"transport:{type(exc).__name__}"] += 1
+
+    # -- load ----------------------------------------------------------------------------------
+    async def client_loop(self, seed: int, until: float) -> None:
+        rng = random.Random(seed)
+        async with httpx.AsyncClient(timeout=None) as client:
+            while time.monotonic() < until:
+                await self.one(client, rng)
+
+    async def burst(self, at: float) -> Counter:
+        await asyncio.sleep(max(at - time.monotonic(), 0))
+        n = self.args.max_num_seqs + self.args.max_waiting_requests + 16
+        before = Counter(self.counts)
+        limits = httpx.Limits(max_connections=n + 4)
+        async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+            body = {"model": MODEL_NAME, "prompt": " ".join(WORDS[:40]), "max_tokens": 16}
+            await asyncio.gather(*(asyncio.wait_for(self._stream(client, body), self.args.request_limit)
+                                   for _ in range(n)), return_exceptions=True)
+        return Counter({k: self.counts[k] - before[k] for k in self.counts})
+
+    async def run(self) -> Counter:
+        start = time.monotonic()
+        until = start + self.args.duration
+        clients = [self.client_loop(self.args.seed * 1000 + i, until) for i in range(self.args.concurrency)]
+        burst = asyncio.ensure_future(self.burst(start + self.args.duration / 2))
+        await asyncio.gather(*clients)
+        return await burst
+
+
+def scrape(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name.startswith("pagedserve:") and s.labels.get("model") == MODEL_NAME and len(s.labels) == 2}
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def kv_pool_bytes(model_dir: Path, num_blocks: int, block_size: int, dtype_bytes: int) -> int:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * block_size * num_blocks * dtype_bytes
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(int(q * len(values)), len(values) - 1)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from pagedserve.core.config import EngineConfig
+    from pagedserve.core.models.default_model import resolve_model_path
+
+    model_dir = Path(resolve_model_path(args.model))
+    settings = {"model": str(model_dir), "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+                "max_waiting_requests": args.max_waiting_requests, "max_model_len": args.max_model_len,
+                "num_kv_blocks": args.num_kv_blocks}
+    config = EngineConfig.from_dict(settings)  # fails here, with the field named, if a value is wrong
+    tmp = Path(tempfile.mkdtemp(prefix="pagedserve-soak-"))
+    (tmp / "engine.json").write_text(json.dumps(settings))
+    print(f"[soak] model {model_dir}, {args.duration:g} s, {args.concurrency} clients, seed {args.seed}, "
+          f"max_num_seqs {args.max_num_seqs}, max_waiting_requests {args.max_waiting_requests}, "
+          f"{args.num_kv_blocks} KV blocks; server log {tmp / 'server.log'}", flush=True)
+    srv = start_kserve(model_dir, tmp / "server.log", MODEL_NAME, args=("--engine-config", str(tmp / "engine.json")),
+                       env={"TOKENIZERS_PARALLELISM": "false"}, timeout=600)
+    try:
+        rss_start = rss_bytes(srv.proc.pid)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        soak = Soak(srv.url, args, lambda text: len(tokenizer(text).input_ids))
+        began = time.monotonic()
+        burst = asyncio.run(soak.run())
+        elapsed = time.monotonic() - began
+        deadline = time.monotonic() + 60
+        while True:  # idle: nothing running or waiting (a stream the client dropped is aborted within a step)
+            snap = scrape(srv.url)
+            if snap.get("pagedserve:num_requests_running") == 0 and snap.get("pagedserve:num_requests_waiting") == 0:
+                break
+            if time.monotonic() > deadline:
+                soak.errors["not_idle_60s_after_the_end"] += 1
+                break
+            time.sleep(0.25)
+        leaked = round(snap.get("pagedserve:kv_cache_usage_perc", 0.0) * args.num_kv_blocks)
+        rss_end = rss_bytes(srv.proc.pid)
+        alive = srv.proc.poll() is None
+    finally:
+        srv.stop()
+    dtype_bytes = 4 if str(config.model.dtype).endswith("float32") else 2
+    kv_bytes = kv_pool_bytes(model_dir, args.num_kv_blocks, config.cache.block_size, dtype_bytes)
+    total = sum(soak.counts.values()) + sum(soak.errors.values())
+    mib = 2**20
+    print(f"[soak] {total} requests in {elapsed:.0f} s: " + ", ".join(f"{k} {v}" for k, v in sorted(soak.counts.items())))
+    print(f"[soak] while the burst of {args.max_num_seqs + args.max_waiting_requests + 16} ran (all clients): "
+          + ", ".join(f"{k} {v}" for k, v in sorted(burst.items()) if v))
+    print(f"[soak] errors by kind: {dict(soak.errors) or 'none'}")
+    print(f"[soak] engine: {snap.get('pagedserve:engine_step_failures_total', 0):.0f} step failures; "
+          f"server alive at the end: {alive}")
+    print(f"[soak] leaked KV blocks: {leaked}; hung requests: {soak.errors['hung']}")
+    print(f"[soak] RSS after warm-up {rss_start / mib:.0f} MiB, at the end {rss_end / mib:.0f} MiB "
+          f"(growth {(rss_end - rss_start) / mib:+.0f} MiB; allowed: the KV pool {kv_bytes / mib:.0f} MiB "
+          f"+ {RSS_SLACK_MIB} MiB)")
+    print(f"[soak] TTFT p50 {pct(soak.ttft, 0.5) * 1e3:.0f} ms, p99 {pct(soak.ttft, 0.99) * 1e3:.0f} ms; "
+          f"inter-token p50 {pct(soak.itl, 0.5) * 1e3:.0f} ms, p99 {pct(soak.itl, 0.99) * 1e3:.0f} ms "
+          f"({len(soak.ttft)} streams, {len(soak.itl)} gaps)")
+    bad = (leaked or soak.errors["hung"] or any(not k.startswith("stream:") for k in soak.errors)
+           or not burst.get("refused_429") or rss_end - rss_start > kv_bytes + RSS_SLACK_MIB * mib or not alive)
+    print(f"[soak] {'FAIL' if bad else 'PASS'}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
