@@ -82,10 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# subcommand -> module whose main(argv) parses the rest of the command line
+# subcommand -> module whose main(argv) parses the rest of the command line (loaded only when used)
 PLATFORM_COMMANDS = {
     "triton": ("pagedserve.adapters.triton_server.launcher", "start a real tritonserver serving pagedserve"),
     "kserve": ("pagedserve.adapters.kserve.server", "start a kserve ModelServer serving pagedserve"),
+    "run-batch": ("pagedserve.adapters.kserve.batch", "run an OpenAI Batch file (JSONL) offline, resumable"),
+    "tune": ("pagedserve.core.tuner", "search engine settings for the best throughput within a TTFT/ITL SLO"),
 }
 
 
