@@ -1,9 +1,9 @@
 """Offline batch job under KV pressure: the `throughput` scheduling policy against `fcfs`.
 
-    python bench/batch.py [--num-requests 256] [--num-prefixes 4] [--prefix-len 256] [--suffix-len 16]
-                          [--output-lens 8,16,32,64,128] [--num-kv-blocks 160] [--model default]
+    python bench/batch.py [--num-requests 256] [--num-prefixes 4] [--prefix-len 192] [--suffix-len 16]
+                          [--output-lens 4,8,16,32,64] [--num-kv-blocks 60] [--model default]
                           [--dtype float32] [--block-size 16] [--max-num-seqs 128]
-                          [--max-num-batched-tokens 1024] [--policies fcfs,throughput]
+                          [--max-num-batched-tokens 1024] [--policies fcfs,throughput] [--threads 1]
 
 Workload (BatchLLM's setting). `--num-prefixes` long system prompts of `--prefix-len` tokens of
 real English text (distinct slices of the Debian license texts, else a built-in text), each request
@@ -11,10 +11,12 @@ one of them (round-robin, so requests of different prompts interleave in the fil
 `--suffix-len`-token question + an output length drawn (seeded) from `--output-lens`, decoded
 greedily with EOS ignored so every request produces exactly that many tokens.
 
-KV pressure. `--num-kv-blocks` fixes the pool so that the prefixes plus every request's private
-blocks do not fit at once: fcfs admits while blocks are free *now*, running requests then grow and
-push the newest out (preemption by recompute); throughput admits by the blocks requests will need
-at max_tokens, and orders long decodes first within the prefix groups.
+KV pressure. `--num-kv-blocks` fixes the pool below what the shared prompts plus the working set
+need (60 blocks of 16 = 960 tokens; the four prompts alone take 48 blocks): fcfs admits in file
+order while blocks are free *now*, so the four prompts take turns evicting each other and are
+prefilled again and again, and running requests grow until the newest is preempted (recompute);
+throughput keeps to the prompt group that is cached, admits by the blocks requests will need at
+max_tokens (no preemption), and starts long decodes first.
 
 Same process, same settings, one engine per policy; each engine loads the model and runs a short
 warm-up request before the clock starts; all requests are added at once, then the engine is stepped
@@ -102,11 +104,11 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--num-prefixes", type=int, default=4)
-    ap.add_argument("--prefix-len", type=int, default=256)
+    ap.add_argument("--prefix-len", type=int, default=192)
     ap.add_argument("--suffix-len", type=int, default=16)
-    ap.add_argument("--output-lens", default="8,16,32,64,128",
+    ap.add_argument("--output-lens", default="4,8,16,32,64",
                     help="comma-separated output lengths, one drawn per request")
-    ap.add_argument("--num-kv-blocks", type=int, default=160)
+    ap.add_argument("--num-kv-blocks", type=int, default=60)
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="float32",
                     help="float32 by default: identical greedy tokens across batch mixes need it")
@@ -115,6 +117,7 @@ def parse_args(argv):
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--policies", default="fcfs,throughput", help="the first is the peer")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (as the other CPU benches)")
     args = ap.parse_args(argv)
     try:
         args.output_lens = [int(x) for x in args.output_lens.split(",")]
@@ -128,6 +131,8 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    import torch
+    torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
     from pagedserve.core.models.default_model import resolve_model_path

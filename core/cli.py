@@ -30,6 +30,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (tokens)")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache pool")
+    p.add_argument("--record-workload", default=None, metavar="PATH",
+                   help="append each finished request's arrival time and lengths (no text) to PATH, for `tune`")
     p.add_argument("--engine-config", default=None, help="JSON file of engine settings (flags override it)")
 
 
@@ -37,7 +39,8 @@ def engine_config_from_args(args: argparse.Namespace):
     from pagedserve.core.config import EngineConfig
 
     flags = {key: getattr(args, key) for key in ("model", "dtype", "block_size", "max_num_seqs",
-                                                  "max_num_batched_tokens", "max_model_len", "kv_cache_memory")
+                                                  "max_num_batched_tokens", "max_model_len", "kv_cache_memory",
+                                                  "record_workload")
              if getattr(args, key) is not None}
     if args.engine_config:
         return EngineConfig.from_json_file(args.engine_config, flags)

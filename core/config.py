@@ -96,6 +96,9 @@ class SchedulerConfig:
     scheduling_age_bound_s: float = 60.0
     """prefix/throughput: a request waiting longer than this goes first, in arrival order (no
     starvation). fcfs ignores it."""
+    record_workload: str | None = None
+    """Opt-in: append each finished request's arrival time and prompt/output lengths (never text)
+    to this JSONL file, the workload format `pagedserve tune` replays."""
 
     def __post_init__(self) -> None:
         check_range(ConfigError, "max_num_seqs", self.max_num_seqs, 1)
