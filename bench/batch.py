@@ -1,9 +1,11 @@
-"""Offline batch job under KV pressure: the `throughput` scheduling policy against `fcfs`.
+"""Offline batch job under KV pressure: the `throughput` scheduling policy against `fcfs`; and
+`pagedserve tune`'s chosen setting against the shipped defaults on a latency SLO.
 
     python bench/batch.py [--num-requests 256] [--num-prefixes 4] [--prefix-len 192] [--suffix-len 16]
                           [--output-lens 4,8,16,32,64] [--num-kv-blocks 60] [--model default]
                           [--dtype float32] [--block-size 16] [--max-num-seqs 128]
                           [--max-num-batched-tokens 1024] [--policies fcfs,throughput] [--threads 1]
+    python bench/batch.py --tune --ttft-p95 SECONDS [--arrival-rate 2] [--num-requests 64] [--max-trials 6]
 
 Workload (BatchLLM's setting). `--num-prefixes` long system prompts of `--prefix-len` tokens of
 real English text (distinct slices of the Debian license texts, else a built-in text), each request
@@ -23,6 +25,12 @@ warm-up request before the clock starts; all requests are added at once, then th
 until done. Printed per policy: output tok/s, wall, preemptions, prompt tokens actually computed,
 prefix hit rate; then whether the greedy tokens are identical across policies (they must be), and
 the LAST line `ratio throughput/fcfs: X.XXx` (output tok/s; target >= 1.5x).
+
+With --tune: the same prompts (real token ids, so prefixes are shared) and output lengths arrive as
+a seeded Poisson process at --arrival-rate; core/tuner.py searches from the shipped defaults
+(trial 0, with the KV pool at its default size, not --num-kv-blocks) for the best throughput
+meeting TTFT p95 <= --ttft-p95, and the table shows both. The LAST line is
+`ratio tuned/defaults: X.XXx` (output tok/s), and whether each met the SLO.
 """
 
 from __future__ import annotations
@@ -100,6 +108,35 @@ def run(policy: str, args, prompts, output_lens) -> tuple[RunResult, list[tuple[
     return result, tokens
 
 
+def tune_vs_defaults(args, prompts, output_lens) -> int:
+    from pagedserve.core.config import EngineConfig
+    from pagedserve.core.tuner import Slo, best_trial, format_table, tune
+    from pagedserve.core.workload import WorkloadItem
+
+    rng = random.Random(args.seed)
+    items, t = [], 0.0
+    for p, n in zip(prompts, output_lens):
+        items.append(WorkloadItem(t, len(p), n, tuple(p)))
+        t += rng.expovariate(args.arrival_rate)
+    base = EngineConfig.from_dict({"model": args.model, "dtype": args.dtype})  # shipped defaults otherwise
+    slo = Slo(args.ttft_p95)
+    print(f"[tune] {len(items)} requests at {args.arrival_rate}/s (Poisson) over {items[-1].arrival_time:.1f}s; "
+          f"SLO TTFT p95 <= {args.ttft_p95}s; trial 0 = shipped defaults", flush=True)
+    trials = tune(base, items, slo, args.max_trials)
+    best = best_trial(trials)
+    print(format_table(trials, best))
+    defaults = trials[0]
+    print(f"[defaults] {defaults.label()}: {defaults.result.output_tokens_per_s:.1f} tok/s, TTFT p95 "
+          f"{defaults.result.ttft_p95_s:.3f}s, SLO {'met' if defaults.meets_slo else 'missed'}")
+    if best is None:
+        print("[tuned] no setting tried met the SLO")
+        return 1
+    print(f"[tuned] {best.label()}: {best.result.output_tokens_per_s:.1f} tok/s, TTFT p95 "
+          f"{best.result.ttft_p95_s:.3f}s, SLO met")
+    print(f"ratio tuned/defaults: {best.result.output_tokens_per_s / defaults.result.output_tokens_per_s:.2f}x")
+    return 0
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-requests", type=int, default=256)
@@ -118,12 +155,18 @@ def parse_args(argv):
     ap.add_argument("--policies", default="fcfs,throughput", help="the first is the peer")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (as the other CPU benches)")
+    ap.add_argument("--tune", action="store_true", help="tuned vs shipped defaults on an SLO instead")
+    ap.add_argument("--ttft-p95", type=float, default=None, help="--tune: the TTFT p95 limit, seconds")
+    ap.add_argument("--arrival-rate", type=float, default=2.0, help="--tune: requests/s (Poisson, seeded)")
+    ap.add_argument("--max-trials", type=int, default=6, help="--tune: settings to try at most")
     args = ap.parse_args(argv)
     try:
         args.output_lens = [int(x) for x in args.output_lens.split(",")]
     except ValueError:
         ap.error("--output-lens must be comma-separated integers, e.g. 8,16,32")
     args.policies = args.policies.split(",")
+    if args.tune and (args.ttft_p95 is None or args.ttft_p95 <= 0):
+        ap.error("--tune needs --ttft-p95 SECONDS > 0")
     if min(args.output_lens) < 1 or args.num_requests < 1 or args.num_prefixes < 1:
         ap.error("--num-requests, --num-prefixes and every output length must be at least 1")
     return args
@@ -145,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({sum(output_lens)} output tokens); {args.num_kv_blocks} KV blocks of {args.block_size} tokens, "
           f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}", flush=True)
 
+    if args.tune:
+        return tune_vs_defaults(args, prompts, output_lens)
     results, outputs = [], []
     for policy in args.policies:
         res, toks = run(policy, args, prompts, output_lens)
