@@ -56,7 +56,7 @@ def test_good_lines_match_transformers_and_bad_lines_get_their_own_error(engine,
         completion_line("a", [1, 2, 3]),                                               # duplicate id
         completion_line("c", good["c"], max_tokens=4),
     ])
-    counts = run_batch(engine, inp, out, progress=False)
+    counts = run_batch(engine, inp, out, progress=False, max_queued=2)  # refilled as lines finish
     recs = read_records(out)
     assert len(recs) == 9 and counts["succeeded"] == 3 and counts["failed"] == 6
     by_id = {}
@@ -97,6 +97,7 @@ def test_rerun_skips_answered_lines_and_cuts_a_torn_last_line(engine, tmp_path):
     assert second["skipped"] == 2 and second["succeeded"] == 2 and second["failed"] == 1
     recs = read_records(out)
     ids = sorted(r["custom_id"] or r["id"] for r in recs)
+    assert second["output_tokens"] == 2 * 6  # only the two missing lines ran
     assert ids == ["batch_req_line 5", "q0", "q1", "q2", "q3"]  # one record each, torn line gone
     texts = {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in recs if r["custom_id"]}
     for cid, p in prompts.items():

@@ -202,7 +202,7 @@ def read_lines(path: Path) -> list[tuple[int, str]]:
 
 
 def run_batch(engine: Any, input_path: Path, output_path: Path, served_model_name: str | None = None,
-              progress: bool = True) -> dict[str, int]:
+              progress: bool = True, max_queued: int = 4096) -> dict[str, int]:
     """Run every input line not yet answered in output_path; returns counts."""
     done_keys = completed_keys(output_path)
     runner = BatchRunner(engine, served_model_name)
@@ -244,14 +244,26 @@ def run_batch(engine: Any, input_path: Path, output_path: Path, served_model_nam
             from tqdm import tqdm
             bar = tqdm(total=len(pending), desc="run-batch", unit="req", file=sys.stderr)
         start = time.perf_counter()
-        for line, exc in pending:
-            if exc is not None:
-                write(record(line, None, {"code": "invalid_batch_line", "message": str(exc)}))
+        queue = iter(pending)
+        exhausted = False
+        while True:
+            # Keep up to max_queued engine requests queued: enough for the policy to group and
+            # order globally, bounded so a huge file is neither tokenized up front nor re-sorted
+            # in full every step.
+            while not exhausted and len(runner.jobs) < max_queued:
+                item = next(queue, None)
+                if item is None:
+                    exhausted = True
+                    break
+                line, exc = item
+                failed = (record(line, None, {"code": "invalid_batch_line", "message": str(exc)})
+                          if exc is not None else runner.start(line))
+                if failed is not None:
+                    write(failed)
+            if not engine.has_unfinished_requests():
+                if exhausted:
+                    break
                 continue
-            failed = runner.start(line)
-            if failed is not None:
-                write(failed)
-        while engine.has_unfinished_requests():
             for rec in runner.step():
                 write(rec)
         if bar is not None:
@@ -287,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None,
                    help="answer only lines whose body.model is this name (default: run every line on the "
                         "loaded model, whatever body.model says)")
+    p.add_argument("--max-queued", type=int, default=4096,
+                   help="engine requests queued at once (the scheduling policy orders within them)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
@@ -303,12 +317,16 @@ def main(argv: list[str] | None = None) -> int:
     if not input_path.is_file():
         print(f"pagedserve run-batch: error: input file {input_path} not found", file=sys.stderr)
         return 2
+    if args.max_queued < 1:
+        print("pagedserve run-batch: error: --max-queued must be at least 1", file=sys.stderr)
+        return 2
     if input_path.resolve() == output_path.resolve():
         print("pagedserve run-batch: error: -o must differ from -i", file=sys.stderr)
         return 2
     try:
         engine = LLMEngine(batch_engine_config(args))
-        counts = run_batch(engine, input_path, output_path, args.served_model_name, not args.no_progress)
+        counts = run_batch(engine, input_path, output_path, args.served_model_name, not args.no_progress,
+                           args.max_queued)
     except (PagedServeError, BadLine) as exc:
         print(f"pagedserve run-batch: error: {exc}", file=sys.stderr)
         return 2
