@@ -140,7 +140,7 @@ class Scheduler:
         #    computed the prompt, then start from the leader's prompt blocks.
         #    The policy orders the queue and may defer a request or stop admission (fcfs never does).
         skipped: list[Request] = []
-        if not preempted:
+        if not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             self.policy.order(self)
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]

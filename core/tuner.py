@@ -170,7 +170,7 @@ def make_measure(base: EngineConfig, items, warmup: bool = True) -> Callable[[di
 
     def measure(settings: dict[str, Any]) -> ReplayResult:
         nonlocal prompts
-        engine = LLMEngine(base.replace(**settings))
+        engine = LLMEngine(base.replace(**settings, record_workload=None))  # never record a replay
         if prompts is None:
             prompts = prompt_ids_for(items, engine.arch.vocab_size)
         if warmup:  # first-call costs (allocation, kernel build) are not the setting's fault
