@@ -73,8 +73,10 @@ def score(trial: Trial, slo: Slo) -> tuple:
 
 
 def search(measure: Callable[[dict[str, Any]], ReplayResult], start: dict[str, Any], slo: Slo,
-           max_trials: int = 8, ladders: dict[str, tuple[Any, ...]] = LADDERS) -> list[Trial]:
-    """Coordinate ascent over `ladders` from `start`; returns every trial in the order run."""
+           max_trials: int = 8, ladders: dict[str, tuple[Any, ...]] = LADDERS,
+           on_trial: Callable[[int, Trial], None] | None = None) -> list[Trial]:
+    """Coordinate ascent over `ladders` from `start`; returns every trial in the order run
+    (on_trial(index, trial) is called as each one finishes)."""
     ladders = {k: (v if start[k] in v else tuple(sorted((*v, start[k]), key=_order_key))) for k, v in ladders.items()}
     trials: list[Trial] = []
     seen: dict[tuple, Trial] = {}
@@ -89,6 +91,8 @@ def search(measure: Callable[[dict[str, Any]], ReplayResult], start: dict[str, A
         trial = Trial(dict(settings), result, slo.met(result))
         trials.append(trial)
         seen[key] = trial
+        if on_trial is not None:
+            on_trial(len(trials) - 1, trial)
         return trial
 
     best = run(dict(start))
@@ -120,17 +124,20 @@ def best_trial(trials: list[Trial]) -> Trial | None:
     return max(ok, key=lambda t: t.result.output_tokens_per_s) if ok else None
 
 
+TABLE_HEAD = (f"{'#':>2}  {'max_num_batched_tokens':>22} {'max_num_seqs':>12} {'policy':>10}  {'out tok/s':>9} "
+              f"{'TTFT p50':>8} {'TTFT p95':>8} {'ITL p50':>8} {'ITL p95':>8} {'KV peak':>7} {'preempt':>7}  SLO")
+
+
+def format_row(i: int, t: Trial, best: Trial | None = None) -> str:
+    r, s = t.result, t.settings
+    mark = "met" + (" <- best" if t is best else "") if t.meets_slo else "missed"
+    return (f"{i:>2}  {s['max_num_batched_tokens']:>22} {s['max_num_seqs']:>12} {s['scheduling_policy']:>10}  "
+            f"{r.output_tokens_per_s:>9.1f} {r.ttft_p50_s:>8.3f} {r.ttft_p95_s:>8.3f} {r.itl_p50_s:>8.3f} "
+            f"{r.itl_p95_s:>8.3f} {r.kv_usage_peak:>7.0%} {r.num_preemptions:>7}  {mark}")
+
+
 def format_table(trials: list[Trial], best: Trial | None) -> str:
-    head = (f"{'#':>2}  {'max_num_batched_tokens':>22} {'max_num_seqs':>12} {'policy':>10}  {'out tok/s':>9} "
-            f"{'TTFT p50':>8} {'TTFT p95':>8} {'ITL p50':>8} {'ITL p95':>8} {'KV peak':>7} {'preempt':>7}  SLO")
-    rows = [head]
-    for i, t in enumerate(trials):
-        r, s = t.result, t.settings
-        mark = "met" + (" <- best" if t is best else "") if t.meets_slo else "missed"
-        rows.append(f"{i:>2}  {s['max_num_batched_tokens']:>22} {s['max_num_seqs']:>12} {s['scheduling_policy']:>10}  "
-                    f"{r.output_tokens_per_s:>9.1f} {r.ttft_p50_s:>8.3f} {r.ttft_p95_s:>8.3f} {r.itl_p50_s:>8.3f} "
-                    f"{r.itl_p95_s:>8.3f} {r.kv_usage_peak:>7.0%} {r.num_preemptions:>7}  {mark}")
-    return "\n".join(rows)
+    return "\n".join([TABLE_HEAD] + [format_row(i, t, best) for i, t in enumerate(trials)])
 
 
 def plot(trials: list[Trial], best: Trial | None, slo: Slo, path: Path) -> bool:
@@ -183,9 +190,13 @@ def make_measure(base: EngineConfig, items, warmup: bool = True) -> Callable[[di
     return measure
 
 
-def tune(base: EngineConfig, items, slo: Slo, max_trials: int) -> list[Trial]:
+def tune(base: EngineConfig, items, slo: Slo, max_trials: int, progress: bool = False) -> list[Trial]:
     start = {k: base.to_dict()[k] for k in LADDERS}
-    return search(make_measure(base, items), start, slo, max_trials)
+    on_trial = None
+    if progress:
+        print(f"trials as they finish:\n{TABLE_HEAD}", file=sys.stderr, flush=True)
+        on_trial = lambda i, t: print(format_row(i, t), file=sys.stderr, flush=True)  # noqa: E731
+    return search(make_measure(base, items), start, slo, max_trials, on_trial=on_trial)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -228,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         slo = Slo(args.ttft_p95, args.itl_p95)
         print(f"workload {args.workload}: {len(items)} requests over {items[-1].arrival_time:.1f}s; SLO TTFT p95 <= "
               f"{slo.ttft_p95_s:g}s" + (f", ITL p95 <= {slo.itl_p95_s:g}s" if slo.itl_p95_s else ""), flush=True)
-        trials = tune(base, items, slo, args.max_trials)
+        trials = tune(base, items, slo, args.max_trials, progress=True)
     except PagedServeError as exc:
         print(f"pagedserve tune: error: {exc}", file=sys.stderr)
         return 2

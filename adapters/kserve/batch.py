@@ -45,6 +45,10 @@ ordering, and an age bound longer than any job (no request is online, nobody wai
 class BadLine(ValueError):
     """A line that is not a batch request; the message says what is wrong and how to fix it."""
 
+    def __init__(self, message: str, line: "BatchLine | None" = None) -> None:
+        super().__init__(message)
+        self.line = line
+
 
 @dataclass
 class BatchLine:
@@ -96,9 +100,7 @@ def parse_line(line_no: int, raw: str) -> BatchLine:
 
 
 def _bad(line: BatchLine, message: str) -> BadLine:
-    exc = BadLine(f"line {line.line_no} (custom_id {line.custom_id!r}): {message}")
-    exc.line = line  # type: ignore[attr-defined]
-    return exc
+    return BadLine(f"line {line.line_no} (custom_id {line.custom_id!r}): {message}", line)
 
 
 def completed_keys(output: Path) -> set[str]:
@@ -124,8 +126,7 @@ def completed_keys(output: Path) -> set[str]:
 
 
 def record(line: BatchLine, response: dict[str, Any] | None, error: dict[str, Any] | None) -> dict[str, Any]:
-    rid = line.custom_id if line.custom_id is not None else line.key
-    return {"id": f"batch_req_{rid}", "custom_id": line.custom_id, "response": response, "error": error}
+    return {"id": f"batch_req_{line.key}", "custom_id": line.custom_id, "response": response, "error": error}
 
 
 def error_response(line: BatchLine, exc: BaseException, request_id: str | None = None) -> dict[str, Any]:
@@ -226,7 +227,7 @@ def run_batch(engine: Any, input_path: Path, output_path: Path, served_model_nam
             try:
                 line = parse_line(line_no, raw)
             except BadLine as exc:
-                line = getattr(exc, "line", None) or BatchLine(line_no, None)
+                line = exc.line or BatchLine(line_no, None)
                 todo.append((line, exc))
                 continue
             todo.append((line, None))
