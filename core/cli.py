@@ -40,6 +40,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="largest request body / prompt input in bytes (default 8 MiB)")
     p.add_argument("--drain-timeout", type=float, default=None,
                    help="seconds requests in flight get to finish on SIGTERM (default 20)")
+    p.add_argument("--record-workload", default=None, metavar="PATH",
+                   help="append each finished request's arrival time and lengths (no text) to PATH, for `tune`")
     p.add_argument("--engine-config", default=None, help="JSON file of engine settings (flags override it)")
 
 
@@ -49,7 +51,8 @@ def engine_config_from_args(args: argparse.Namespace):
     flags = {key: getattr(args, key) for key in ("model", "dtype", "block_size", "max_num_seqs",
                                                   "max_num_batched_tokens", "max_model_len", "kv_cache_memory",
                                                   "max_waiting_requests", "max_waiting_prompt_tokens",
-                                                  "request_timeout", "max_request_bytes", "drain_timeout")
+                                                  "request_timeout", "max_request_bytes", "drain_timeout",
+                                                  "record_workload")
              if getattr(args, key) is not None}
     if args.engine_config:
         return EngineConfig.from_json_file(args.engine_config, flags)
@@ -94,10 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# subcommand -> module whose main(argv) parses the rest of the command line
+# subcommand -> module whose main(argv) parses the rest of the command line (loaded only when used)
 PLATFORM_COMMANDS = {
     "triton": ("pagedserve.adapters.triton_server.launcher", "start a real tritonserver serving pagedserve"),
     "kserve": ("pagedserve.adapters.kserve.server", "start a kserve ModelServer serving pagedserve"),
+    "run-batch": ("pagedserve.adapters.kserve.batch", "run an OpenAI Batch file (JSONL) offline, resumable"),
+    "tune": ("pagedserve.core.tuner", "search engine settings for the best throughput within a TTFT/ITL SLO"),
 }
 
 

@@ -24,6 +24,7 @@ DTYPE_ALIASES = {
 KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16", "int8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "cpu", "reference", "triton")
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
+SCHEDULING_POLICIES = ("fcfs", "prefix", "throughput")
 
 
 @dataclass(frozen=True)
@@ -88,11 +89,25 @@ class SchedulerConfig:
     """Token budget of one iteration: decodes (1 token each) plus prefill chunks."""
     long_prefill_token_threshold: int | None = None
     """Cap on one request's prefill chunk per step (None: only the token budget limits it)."""
+    scheduling_policy: str = "fcfs"
+    """Order of admission: fcfs (arrival order; online serving), prefix (requests sharing a cached or
+    pending prefix run together), throughput (prefix grouping + long decodes first + admission by
+    projected KV memory; offline batch jobs). See docs/batch_and_tuning.md."""
+    scheduling_age_bound_s: float = 60.0
+    """prefix/throughput: a request waiting longer than this goes first, in arrival order (no
+    starvation). fcfs ignores it."""
+    record_workload: str | None = None
+    """Opt-in: append each finished request's arrival time and prompt/output lengths (never text)
+    to this JSONL file, the workload format `pagedserve tune` replays."""
 
     def __post_init__(self) -> None:
         check_range(ConfigError, "max_num_seqs", self.max_num_seqs, 1)
         check_range(ConfigError, "max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_range(ConfigError, "long_prefill_token_threshold", self.long_prefill_token_threshold, 1)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy={self.scheduling_policy!r} is not supported; "
+                              f"use one of {SCHEDULING_POLICIES}")
+        check_range(ConfigError, "scheduling_age_bound_s", self.scheduling_age_bound_s, 0.0, low_open=True)
 
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024**2

@@ -28,6 +28,7 @@ from pagedserve.core.outputs import CompletionResult, RequestOutput
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.core.scheduler import Scheduler, SchedulerStats
+from pagedserve.core.workload import WorkloadRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,8 @@ class LLMEngine:
         """Text prompts longer than this cannot fit max_model_len: refused before tokenizing."""
         self.queue_guard = WaitingQueueGuard(config.limits, self.metrics)
         self.deadlines = Deadlines()
+        record = config.scheduler.record_workload
+        self.workload_recorder = WorkloadRecorder(record) if record else None
         self._publish_metrics()
         logger.info("pagedserve engine: %s on %s in %s, %d KV blocks of %d tokens; loaded in %.2fs (%s)",
                     self.model_path, self.device, self.dtype, self.num_kv_blocks, cc.block_size,
@@ -307,6 +310,8 @@ class LLMEngine:
 
     def _forget_finished(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
+            if out.finished and self.workload_recorder is not None and out.timing is not None:
+                self.workload_recorder.record(out.timing.arrival, out.num_prompt_tokens, out.num_output_tokens)
             if out.finished:
                 samples = self._samples_of.get(out.request_id)
                 if samples is not None and all(s not in self.scheduler.requests for s in samples):

@@ -17,6 +17,7 @@ from pagedserve.core.config import SchedulerConfig
 from pagedserve.core.kv_cache.manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sampling_params import SamplingParams
+from pagedserve.core.scheduling_policy import Admission, make_policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_since_last_step: list[str] = []
         self.stats = SchedulerStats()
+        self.policy = make_policy(config.scheduling_policy, config.scheduling_age_bound_s)
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -133,16 +135,25 @@ class Scheduler:
                 continue
             break  # the request itself was preempted: nothing after it is running
 
-        # 2. Admit waiting requests in arrival order, unless this iteration already had to preempt.
+        # 2. Admit waiting requests in the policy's order, unless this iteration already had to preempt.
         #    Samples 2..n of a request wait (without blocking others) until their leader has
         #    computed the prompt, then start from the leader's prompt blocks.
+        #    The policy orders the queue and may defer a request or stop admission (fcfs never does).
         skipped: list[Request] = []
+        if not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            self.policy.order(self)
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if self._waits_for_leader(request):
                 skipped.append(self.waiting.popleft())
                 continue
             hits, num_hit_tokens, from_leader = self._reusable_blocks(request)
+            admission = self.policy.admit(self, request, hits, num_new)
+            if admission is Admission.DEFER:
+                skipped.append(self.waiting.popleft())
+                continue
+            if admission is Admission.STOP:
+                break
             n = self._num_tokens_to_compute(request, budget, already=num_hit_tokens)
             if self.kv.allocate_slots(request, n, hits) is None:
                 break

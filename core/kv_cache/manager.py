@@ -56,6 +56,14 @@ class KVCacheManager:
             )
         return hashes
 
+    def prefix_hashes(self, request: Request) -> list[bytes]:
+        """Hashes of the request's full blocks (empty when it does not use the prefix cache);
+        scheduling policies compare them to group requests that share a prefix."""
+        return self._block_hashes(request) if self._uses_cache(request) else []
+
+    def num_held_blocks(self, request: Request) -> int:
+        return len(self.req_to_blocks.get(request.request_id, ()))
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest run of cached full blocks starting the request's tokens, and its length in
         tokens. The last token is never taken from the cache: it must run to produce logits."""

@@ -1,0 +1,196 @@
+"""Scheduling policies: which waiting request is admitted next, and whether it may start now.
+
+The scheduler asks its policy two things per iteration and nothing else differs between policies:
+
+  order(scheduler)                          reorder the waiting queue once, before admission
+  admit(scheduler, request, hits, ...)      ADMIT, DEFER (skip this step, keep its place) or STOP
+
+`fcfs` never reorders and always admits, so the scheduler behaves exactly as it did before
+policies existed (online serving's default). `prefix` orders waiting requests so those sharing the
+longest cached or pending prefix run together, and defers a request whose shared prefix another
+running request is still prefilling (so the prefix is computed once, then hit). `throughput` adds
+BatchLLM's two ideas for offline jobs: larger decode-to-prefill ratio first (long decodes start
+early instead of trailing alone at the end), and admission by projected KV memory: a request starts
+only if every admitted request still fits when it reaches max_tokens, so preemption (recompute)
+stays rare.
+
+Fairness: under `prefix` and `throughput`, a request that has waited longer than
+`scheduling_age_bound_s` goes to the front (oldest first), is never deferred, and ignores the KV
+projection (only real free blocks gate it). Reordering can delay a request, never starve it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from pagedserve.core.config import SCHEDULING_POLICIES
+from pagedserve.core.kv_cache.block_pool import KVBlock
+from pagedserve.core.kv_cache.manager import cdiv
+from pagedserve.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pagedserve.core.scheduler import Scheduler
+
+__all__ = ["SCHEDULING_POLICIES", "Admission", "make_policy"]
+
+
+class Admission(enum.Enum):
+    ADMIT = enum.auto()
+    DEFER = enum.auto()
+    """Not this step; later requests may go ahead (it keeps its place in the queue)."""
+    STOP = enum.auto()
+    """Admit nothing more this step (head-of-line: nobody overtakes this request)."""
+
+
+class FcfsPolicy:
+    """Arrival order, admit while blocks and budget allow: the behaviour before policies."""
+
+    name = "fcfs"
+
+    def order(self, scheduler: "Scheduler") -> None:
+        pass
+
+    def admit(self, scheduler: "Scheduler", request: Request, hits: list[KVBlock],
+              num_new: dict[str, int]) -> Admission:
+        return Admission.ADMIT
+
+
+class PrefixPolicy:
+    """Group waiting requests by shared prefix, longest cached-or-pending prefix first."""
+
+    name = "prefix"
+
+    def __init__(self, age_bound_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.age_bound_s = age_bound_s
+        self.clock = clock
+        self._seq: dict[str, int] = {}
+        """request_id -> arrival sequence number: a stable tie-break that survives reordering."""
+        self._next_seq = 0
+
+    def is_aged(self, request: Request, now: float) -> bool:
+        return now - request.arrival_time > self.age_bound_s
+
+    def _arrival_seq(self, request: Request) -> int:
+        seq = self._seq.get(request.request_id)
+        if seq is None:
+            seq = self._seq[request.request_id] = self._next_seq
+            self._next_seq += 1
+        return seq
+
+    def order(self, scheduler: "Scheduler") -> None:
+        if len(scheduler.waiting) < 2:
+            self._forget_finished(scheduler)
+            return
+        now = self.clock()
+        kv = scheduler.kv
+        pending = {h for r in scheduler.running for h in kv.prefix_hashes(r)}
+        group_rank: dict[bytes | None, int] = {}
+        keyed = []
+        for request in scheduler.waiting:
+            seq = self._arrival_seq(request)
+            if request.status == RequestStatus.PREEMPTED:
+                key = (0, seq)  # it already produced tokens: resume it first, as fcfs does
+            elif self.is_aged(request, now):
+                key = (1, request.arrival_time, seq)
+            else:
+                hashes = kv.prefix_hashes(request)
+                shared = 0
+                for h in hashes:
+                    if h not in pending and kv.pool.get_cached_block(h) is None:
+                        break
+                    shared += 1
+                group = hashes[0] if hashes else None
+                rank = group_rank.setdefault(group, len(group_rank))
+                key = (2, -shared, *self._within(rank, request, shared * kv.block_size), seq)
+            keyed.append((key, request))
+        keyed.sort(key=lambda kr: kr[0])
+        scheduler.waiting.clear()
+        scheduler.waiting.extend(r for _, r in keyed)
+        self._forget_finished(scheduler)
+
+    def _within(self, group_rank: int, request: Request, num_shared_tokens: int) -> tuple:
+        """Order among requests sharing equally long prefixes: by prefix group."""
+        return (group_rank,)
+
+    def _forget_finished(self, scheduler: "Scheduler") -> None:
+        if len(self._seq) > 2 * len(scheduler.requests) + 64:
+            self._seq = {k: v for k, v in self._seq.items() if k in scheduler.requests}
+
+    def admit(self, scheduler: "Scheduler", request: Request, hits: list[KVBlock],
+              num_new: dict[str, int]) -> Admission:
+        if self.is_aged(request, self.clock()):
+            return Admission.ADMIT
+        if self._prefix_is_pending(scheduler, request, len(hits), num_new):
+            return Admission.DEFER
+        return Admission.ADMIT
+
+    @staticmethod
+    def _prefix_is_pending(scheduler: "Scheduler", request: Request, num_hit_blocks: int,
+                           num_new: dict[str, int]) -> bool:
+        """Whether a running request is still prefilling blocks this request would otherwise
+        compute itself: waiting one step turns them into prefix hits."""
+        if request.num_computed_tokens or request.prompt_leader is not None:
+            return False
+        kv = scheduler.kv
+        hashes = kv.prefix_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // kv.block_size
+        if num_hit_blocks >= min(len(hashes), max_hit_blocks):
+            return False
+        next_hash = hashes[num_hit_blocks]
+        for other in scheduler.running:
+            done_after_step = (other.num_computed_tokens + num_new.get(other.request_id, 0)) // kv.block_size
+            other_hashes = kv.prefix_hashes(other)
+            if (len(other_hashes) > num_hit_blocks >= done_after_step
+                    and other_hashes[num_hit_blocks] == next_hash):
+                return True
+        return False
+
+
+class ThroughputPolicy(PrefixPolicy):
+    """Prefix grouping, then larger decode-to-prefill ratio first, admitted by projected KV."""
+
+    name = "throughput"
+
+    def __init__(self, age_bound_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(age_bound_s, clock)
+        self._projected_blocks = 0
+
+    def _within(self, group_rank: int, request: Request, num_shared_tokens: int) -> tuple:
+        """Larger decode-to-prefill ratio first, then by prefix group."""
+        to_prefill = max(request.num_prompt_tokens - num_shared_tokens, 1)
+        return (-request.max_tokens / to_prefill, group_rank)
+
+    def order(self, scheduler: "Scheduler") -> None:
+        super().order(scheduler)
+        kv = scheduler.kv
+        # Blocks held now plus what running requests still add before reaching max_tokens.
+        growth = sum(max(cdiv(r.num_prompt_tokens + r.max_tokens, kv.block_size) - kv.num_held_blocks(r), 0)
+                     for r in scheduler.running)
+        self._projected_blocks = kv.pool.num_used_blocks + growth
+
+    def admit(self, scheduler: "Scheduler", request: Request, hits: list[KVBlock],
+              num_new: dict[str, int]) -> Admission:
+        decision = super().admit(scheduler, request, hits, num_new)
+        if decision is not Admission.ADMIT:
+            return decision
+        kv = scheduler.kv
+        revived = sum(1 for b in hits if b.ref_cnt == 0)
+        final_blocks = cdiv(request.num_prompt_tokens + request.max_tokens, kv.block_size)
+        cost = max(final_blocks - kv.num_held_blocks(request) - len(hits), 0) + revived
+        if self._projected_blocks + cost > kv.num_blocks and not self.is_aged(request, self.clock()):
+            return Admission.STOP
+        self._projected_blocks += cost
+        return Admission.ADMIT
+
+
+def make_policy(name: str, age_bound_s: float, clock: Callable[[], float] = time.monotonic):
+    if name == "fcfs":
+        return FcfsPolicy()
+    if name == "prefix":
+        return PrefixPolicy(age_bound_s, clock)
+    if name == "throughput":
+        return ThroughputPolicy(age_bound_s, clock)
+    raise ValueError(f"scheduling_policy={name!r}; use one of {SCHEDULING_POLICIES}")
