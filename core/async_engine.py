@@ -87,12 +87,18 @@ class AsyncLLMEngine:
                        params: SamplingParams | None = None, **kwargs: Any) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutput deltas until every sample of the request has finished.
 
-        kwargs: cache_salt, use_prefix_cache. Invalid requests raise InvalidRequest (or a subclass)
+        kwargs: cache_salt, use_prefix_cache (compiled_grammar is filled in here). Invalid requests raise InvalidRequest (or a subclass)
         from the first iteration; an engine failure raises EngineDead.
         """
         if self._error is not None:
             raise EngineDead(f"the engine is dead and serves no more requests: {self._error}")
         params = params or SamplingParams()
+        if params.structured_output is not None and "compiled_grammar" not in kwargs:
+            # Compiled on a worker thread (cached per constraint) and awaited here, before the engine
+            # thread sees the request: a slow schema holds back only its own request, and one that
+            # does not compile fails here with InvalidRequest.
+            kwargs["compiled_grammar"] = await asyncio.wrap_future(
+                self.engine.structured_output.compiler.submit(params.structured_output))
         stream = _Stream(asyncio.get_running_loop(), samples_left=params.n)
         self._commands.put(_Add(request_id, prompt, params, kwargs, stream))
         finished = False

@@ -26,6 +26,7 @@ from pagedserve.core.outputs import CompletionResult, RequestOutput
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.core.scheduler import Scheduler, SchedulerStats
+from pagedserve.core.structured_output.manager import StructuredOutputManager, StructuredStep
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,10 @@ class LLMEngine:
         """request_id -> its live sample ids (one unless n > 1)."""
         self.metrics = EngineMetrics()
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics, self.scheduler.finish_request)
+        stop_ids = list(self.arch.eos_token_ids) or ([self.eos_token_id] if self.eos_token_id is not None else [])
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, stop_ids)
+        """Grammar compilation (thread-safe: `structured_output.compiler.submit`) and per-sample grammar
+        state for constrained requests (core/structured_output)."""
         self._publish_metrics()
         logger.info("pagedserve engine: %s on %s in %s, %d KV blocks of %d tokens",
                     self.model_path, self.device, self.dtype, self.num_kv_blocks, cc.block_size)
@@ -162,9 +167,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
                     params: SamplingParams | None = None, *, cache_salt: str | None = None,
-                    use_prefix_cache: bool = True, detokenize: bool = True) -> str:
+                    use_prefix_cache: bool = True, detokenize: bool = True,
+                    compiled_grammar: Any = None) -> str:
         """Queue a request (n samples when params.n > 1); returns its request_id.
 
+        compiled_grammar: params.structured_output compiled ahead (AsyncLLMEngine awaits
+        `structured_output.compiler.submit` off this thread); None compiles it here, blocking.
         Raises InvalidRequest / RequestTooLong / DuplicateRequest; nothing is queued then.
         """
         params = params or SamplingParams()
@@ -179,6 +187,8 @@ class LLMEngine:
         max_tokens = self._check_lengths(len(token_ids), params)
         if params.prompt_logprobs is not None:
             use_prefix_cache = False  # every prompt position must run to be scored
+        if params.structured_output is not None and compiled_grammar is None:
+            compiled_grammar = self.structured_output.compiler.compile(params.structured_output)
         leader = None
         sample_ids = []
         for index in range(params.n):
@@ -193,6 +203,8 @@ class LLMEngine:
                 use_prefix_cache=use_prefix_cache, prompt_leader=leader,
             )
             leader = leader or request
+            if compiled_grammar is not None:  # each sample walks the grammar on its own
+                self.structured_output.add(sample_id, compiled_grammar)
             self.scheduler.add_request(request)
             self.output_processor.add(request, request_id, index, detokenize)
             sample_ids.append(sample_id)
@@ -220,9 +232,20 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the batch, sample, apply stop rules, detokenize."""
         sched_out = self.scheduler.schedule()
-        runner_out = self.runner.execute(sched_out)
-        updates = self.scheduler.update_from_output(sched_out, runner_out.sampled)
+        grammar = self.structured_output.prepare(sched_out)  # None unless a constrained request samples
+        runner_out = self.runner.execute(sched_out, grammar.bitmask if grammar is not None else None)
+        sampled = runner_out.sampled
+        if grammar is not None:
+            sampled = self.structured_output.accept(grammar, sampled)
+        updates = self.scheduler.update_from_output(sched_out, sampled)
+        if grammar is not None:
+            self._finish_by_grammar(grammar, updates)
         outputs = self.output_processor.process(updates, runner_out)
+        if grammar is not None:
+            for request_id in grammar.unsatisfiable:  # no token fits the constraint: end it, say why
+                request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_UNSATISFIABLE)
+                if request is not None:
+                    outputs.append(self.output_processor.abort(request))
         for out in outputs:
             if out.finished:
                 samples = self._samples_of.get(out.request_id)
@@ -230,6 +253,13 @@ class LLMEngine:
                     del self._samples_of[out.request_id]
         self._publish_metrics()
         return outputs
+
+    def _finish_by_grammar(self, grammar: StructuredStep, updates: list[tuple[Request, int]]) -> None:
+        """A grammar that accepted its stop token is complete: the request stops there, even where
+        the scheduler would go on (ignore_eos, a second EOS id)."""
+        for request, _token in updates:
+            if request.request_id in grammar.terminated and not request.status.finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _publish_metrics(self) -> None:
         self.metrics.update_from_scheduler(self.scheduler.stats)

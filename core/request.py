@@ -20,6 +20,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_UNSATISFIABLE = enum.auto()
+    """The request's structured-output constraint allows no next token (core/structured_output)."""
 
     @property
     def finished(self) -> bool:
@@ -34,6 +36,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_UNSATISFIABLE: "unsatisfiable",
 }
 
 
