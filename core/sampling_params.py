@@ -131,6 +131,8 @@ class SamplingParams:
             if "best_of" in data:
                 data = dict(data)
                 best_of = data.pop("best_of")
+            if "structured_output" in data and data["structured_output"] is None:  # dataclasses.asdict's
+                data = {k: v for k, v in data.items() if k != "structured_output"}
             data, structured_output = parse_structured_output(data)
         # structured_output is built from its request spellings above, never taken as it is.
         params = build_strict(cls, data, InvalidRequest, "sampling parameters", internal=("structured_output",),

@@ -77,7 +77,7 @@ class ResponseFormat(_Strict):
                 return json_object_constraint("response_format.json_schema")
             return json_schema_constraint(self.json_schema.schema_, "response_format.json_schema.schema")
         raise _refuse("response_format", f"response_format type {self.type!r} is not supported; send "
-                                         '"text", "json_object" or "json_schema"')
+                                         '"text", "json_object" or "json_schema", or omit response_format')
 
 
 class _GenerateRequest(_Strict):

@@ -91,7 +91,9 @@ def _choices(value: Any, param: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _build(kind: str, value: Any, param: str) -> StructuredOutputParams | None:
+def build_constraint(kind: str, value: Any, param: str) -> StructuredOutputParams | None:
+    """kind: json, json_object, regex, choice or grammar (the structured_outputs field names);
+    None for json_object false."""
     if kind == "json":
         return json_schema_constraint(value, param)
     if kind == "json_object":
@@ -129,7 +131,7 @@ def _object_constraints(key: str, value: Any) -> list[StructuredOutputParams]:
     if unknown:
         raise InvalidRequest(f"{key}: unknown or unsupported field(s) {', '.join(map(repr, unknown))}; "
                              f"supported: {', '.join(_OBJECT_FIELDS)}", param=f"{key}.{unknown[0]}")
-    built = (_build(k, v, f"{key}.{k}") for k, v in value.items() if v is not None)
+    built = (build_constraint(k, v, f"{key}.{k}") for k, v in value.items() if v is not None)
     return [c for c in built if c is not None]
 
 
@@ -145,7 +147,7 @@ def parse_structured_output(data: Mapping[str, Any]) -> tuple[dict[str, Any], St
         if key in OBJECT_KEYS:
             found += _object_constraints(key, value)
         else:
-            found.append(_build(key.removeprefix("guided_"), value, key))
+            found.append(build_constraint(key.removeprefix("guided_"), value, key))
     return rest, one_constraint(*found)
 
 
