@@ -4,13 +4,16 @@ are checked token for token against a run without any constraint in the batch.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
+import threading
 
 import jsonschema
 import pytest
 
+from pagedserve.core.async_engine import AsyncLLMEngine
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.errors import InvalidRequest
@@ -120,6 +123,27 @@ def test_unconstrained_requests_are_token_identical_beside_constrained_ones(engi
     assert [r.token_ids for r in mixed[:3]] == [r.token_ids for r in alone]
 
 
+def test_a_constraint_the_output_already_satisfies_changes_no_token(engine):
+    """Masking only removes tokens: where the unconstrained output is allowed at every step, greedy
+    and plain temperature sampling (the exponential race over the renormalised allowed set) pick the
+    same tokens, and the request ends the same way. top_k / top_p / min_p are left out on purpose:
+    they cut the distribution after masking, so a constraint may change what survives the cut."""
+    prompts = [chat(engine, q) for q in ("Name a planet.", "What is 2+3?", "Say hello in French.")]
+    for free in (SamplingParams(temperature=0, max_tokens=24),
+                 SamplingParams(temperature=0.8, seed=21, max_tokens=24)):
+        alone = engine.generate(prompts, free)
+        for prompt, want in zip(prompts, alone):
+            constraints = {"guided_choice": [want.text, want.text + " and more", "something else"],
+                           "guided_regex": "[^<>]*" if "<" not in want.text and ">" not in want.text else None}
+            for key, value in constraints.items():
+                if value is None:
+                    continue
+                params = SamplingParams.from_dict({"temperature": free.temperature, "seed": free.seed,
+                                                   "max_tokens": free.max_tokens, key: value})
+                (got,) = engine.generate([prompt], params)
+                assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), (key, want.text)
+
+
 def test_preemption_replays_nothing_wrong(engine):
     """A KV cache too small for the batch preempts (recompute); the grammar state survives it and
     the greedy outputs equal those of a roomy engine."""
@@ -183,3 +207,44 @@ def test_invalid_constraints_are_rejected_naming_the_field(engine, params, field
         engine.add_request(None, "hi", SamplingParams.from_dict(params))
     assert err.value.param == field and field in str(err.value)
     assert not engine.has_unfinished_requests()
+
+
+def test_a_slow_compile_holds_back_only_its_own_request(engine):
+    """Compilation runs on the compiler's worker threads, awaited before the engine thread sees the
+    request: while one schema is still compiling (held here by an event, as a huge schema would
+    be), an unconstrained request is served to the end. Equal constraints share one compile."""
+    compiler = engine.structured_output.compiler
+    release, started = threading.Event(), threading.Event()
+    real_compile = compiler._compile
+
+    def slow_compile(params):
+        started.set()
+        release.wait(120)
+        return real_compile(params)
+
+    schema = {**PERSON, "title": "compiled slowly"}  # not in the compiler's cache yet
+    constrained = SamplingParams.from_dict({"guided_json": schema, "temperature": 0, "max_tokens": 60})
+    compiler._compile = slow_compile
+    async_engine = AsyncLLMEngine(engine=engine)
+
+    async def collect(request_id, prompt, params):
+        return "".join([out.text async for out in async_engine.generate(request_id, prompt, params)])
+
+    async def main():
+        slow = asyncio.create_task(collect("slow", chat(engine, "Describe a person as JSON."), constrained))
+        await asyncio.to_thread(started.wait, 60)
+        free = await collect("free", chat(engine, "Name a planet."), SamplingParams(temperature=0, max_tokens=16))
+        assert not slow.done(), "the unconstrained request waited for the slow compile"
+        assert compiler.submit(constrained.structured_output) is compiler.submit(constrained.structured_output)
+        release.set()
+        return free, await slow
+
+    try:
+        free, text = asyncio.run(main())
+    finally:
+        release.set()
+        compiler._compile = real_compile
+        async_engine.shutdown()
+    (want,) = engine.generate([chat(engine, "Name a planet.")], SamplingParams(temperature=0, max_tokens=16))
+    assert free == want.text
+    jsonschema.validate(json.loads(text), schema)
