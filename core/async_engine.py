@@ -87,8 +87,9 @@ class AsyncLLMEngine:
                        params: SamplingParams | None = None, **kwargs: Any) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutput deltas until every sample of the request has finished.
 
-        kwargs: cache_salt, use_prefix_cache (compiled_grammar is filled in here). Invalid requests raise InvalidRequest (or a subclass)
-        from the first iteration; an engine failure raises EngineDead.
+        kwargs: cache_salt, use_prefix_cache (compiled_grammar is filled in here). Invalid requests
+        raise InvalidRequest (or a subclass) from the first iteration; an engine failure raises
+        EngineDead.
         """
         if self._error is not None:
             raise EngineDead(f"the engine is dead and serves no more requests: {self._error}")

@@ -9,8 +9,9 @@ Structured output: OpenAI's `response_format` (json_object, json_schema) and vLL
 `guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs` become one
 StructuredOutputParams (core/structured_output); at most one of them per request.
 
-Some OpenAI fields ask for behaviour pagedserve does not have (tools, stored Clients often send them at their default or no-op value (`tools: []`, `store: false`): those are accepted and change nothing;
-any other value is a 400 naming the field (`_refuse`), never silently ignored.
+Some OpenAI fields ask for behaviour pagedserve does not have (tools, stored completions). Clients
+often send them at their default or no-op value (`tools: []`, `store: false`): those are accepted
+and change nothing; any other value is a 400 naming the field (`_refuse`), never silently ignored.
 """
 
 from __future__ import annotations
