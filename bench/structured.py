@@ -2,12 +2,13 @@
 schema, on one engine, in one run.
 
     python bench/structured.py [--workload ../shared/workloads/w64.json] [--num-requests N]
-                               [--dtype auto] [--rounds 1]
+                               [--max-new-tokens N] [--dtype auto] [--rounds 1] [--apply xgrammar]
 
 Both runs decode the same workload greedily (see bench/common.py; it prints which one ran). In the
 constrained run every second request must produce JSON matching SCHEMA, whose `minItems` is out of
 reach of any request's max_new_tokens: the grammar never completes, so every request still produces
-exactly its max_new_tokens tokens and the two runs do the same amount of model work. The difference
+exactly its max_new_tokens tokens and the two runs do the same amount of model work (the prefix
+cache is off for both, or the second run would skip the first one's prefill). The difference
 is the price of constrained decoding: the token bitmasks (xgrammar), masking the logits, advancing
 the grammars. The schema is compiled once before the clock starts (the server caches compiled
 schemas the same way).
@@ -17,7 +18,8 @@ step and per constrained row) from the engine's StructuredOutputStats; whether t
 half produced the same tokens in both runs (it must: constrained neighbours change nothing); the
 constrained outputs' validity as JSON prefixes. The LAST line is
 `ratio constrained/unconstrained: X.XXx` (throughput; 1 - X is the cost, the goal is X >= 0.90).
-With --rounds N the two runs alternate N times and the medians are reported.
+With --rounds N the two runs alternate N times and the medians are reported. `--apply xgrammar`
+masks with xgrammar's own CPU kernel instead of pagedserve's (masking.py), to compare the two.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def run(engine, workload: Workload, constrained: bool) -> tuple[RunResult, list[
     stats, steps0 = engine.structured_output.stats, engine.stats.num_steps_total
     before = (stats.num_steps, stats.num_rows, stats.fill_s, stats.apply_s, stats.accept_s)
     with Timer() as t:
-        results = engine.generate([r.prompt_ids for r in workload.requests], params)
+        # No prefix cache: the second run would otherwise skip the prefill the first one paid for.
+        results = engine.generate([r.prompt_ids for r in workload.requests], params, use_prefix_cache=False)
     outputs = [list(res.token_ids) for res in results]
     useful = sum(len(o) for o in outputs)
     after = (stats.num_steps, stats.num_rows, stats.fill_s, stats.apply_s, stats.accept_s)
@@ -65,6 +68,28 @@ def run(engine, workload: Workload, constrained: bool) -> tuple[RunResult, list[
     extra = {"steps": mask["engine_steps"], "short": sum(len(o) < r.max_new_tokens
                                                           for o, r in zip(outputs, workload.requests))}
     return RunResult(name, t.elapsed, workload.total_prompt_tokens, useful, extra), outputs, mask
+
+
+def use_xgrammar_apply() -> None:
+    """Swap GrammarBitmask's masking for xgrammar.apply_token_bitmask_inplace (what pagedserve used
+    before masking.py), so that one command measures either."""
+    import time
+
+    import torch
+    import xgrammar as xgr
+
+    from pagedserve.core.structured_output import manager
+
+    def apply(self, logits, request_ids):
+        t0 = time.perf_counter()
+        positions = [i for i, rid in enumerate(request_ids) if rid in self.rows]
+        full = torch.full((logits.shape[0], self.bitmask.shape[1]), -1, dtype=torch.int32)
+        full[positions] = self.bitmask[[self.rows[request_ids[i]] for i in positions]]
+        xgr.apply_token_bitmask_inplace(logits, full, vocab_size=logits.shape[1], indices=positions)
+        self.stats.apply_s += time.perf_counter() - t0
+
+    manager.GrammarBitmask.apply = apply
+    print("[apply] xgrammar's apply_token_bitmask_inplace (CPU kernel)")
 
 
 def json_prefix_ok(text: str) -> bool:
@@ -79,7 +104,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--rounds", type=int, default=1, help="alternate the two runs this many times (medians)")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="cap every request's new tokens (fewer steps at the same batch size; a quick run)")
+    ap.add_argument("--apply", choices=("pagedserve", "xgrammar"), default="pagedserve",
+                    help="the kernel that masks the logits (xgrammar: its own CPU kernel, for comparison)")
     args = ap.parse_args(argv)
+    if args.apply == "xgrammar":
+        use_xgrammar_apply()
     from pagedserve.core.config import EngineConfig
     from pagedserve.core.engine import LLMEngine
     from pagedserve.core.sampling_params import SamplingParams
@@ -88,6 +119,11 @@ def main(argv: list[str] | None = None) -> None:
     print(environment_line())
     engine = LLMEngine(EngineConfig.from_dict({"model": args.model, "dtype": args.dtype}))
     workload = load_workload(args.workload, engine.tokenizer).head(args.num_requests)
+    if args.max_new_tokens is not None:
+        workload = Workload(f"{workload.name}, new tokens <= {args.max_new_tokens}", workload.description,
+                            [r._replace(max_new_tokens=min(r.max_new_tokens, args.max_new_tokens))
+                             for r in workload.requests])
+        print(f"[workload] new tokens capped at {args.max_new_tokens}: {workload.total_new_tokens} output tokens")
     with Timer() as compile_t:
         engine.structured_output.compiler.compile(json_schema_constraint(SCHEMA, "guided_json"))
     print(f"[schema] compiled in {compile_t.elapsed * 1e3:.0f} ms (cold; cached for the timed runs)")
