@@ -29,7 +29,9 @@ def test_masked_rows_match_xgrammar_and_other_rows_are_untouched(dtype, vocab):
     bitmask = random_bitmask(len(positions), vocab, gen)
     logits = torch.randn(batch, vocab, generator=gen).to(dtype)
     got = logits.clone()
+    threads = torch.get_num_threads()
     apply_bitmask_rows(got, positions, bitmask)
+    assert torch.get_num_threads() == threads  # masking runs on one thread, then gives the rest back
 
     want = logits.clone()
     full = torch.full((batch, bitmask.shape[1]), -1, dtype=torch.int32)

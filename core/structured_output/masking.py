@@ -7,13 +7,14 @@ logits in place: x + 0 == x exactly, x + -inf == -inf. Rows of unconstrained req
 or written, so they cost nothing and keep their logits bit for bit.
 
 Why not xgrammar's own apply_token_bitmask_inplace: on the CPU it walks the vocabulary one token at
-a time on one thread, 3.3 ms for 32 rows of SmolLM2's 49,152 tokens against 0.6-0.8 ms for this
-(bench/grammar_backends.py measures both). The same code runs on a GPU (the lookup table is kept on
+a time, 3.3 ms for 32 rows of SmolLM2's 49,152 tokens against 1.1-1.3 ms for this on one thread
+(best of 150; bench/grammar_backends.py and bench/structured.py --apply xgrammar measure both). The same code runs on a GPU (the lookup table is kept on
 each device), where the bitmask travels as 6 KB per row instead of a float mask.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -49,5 +50,22 @@ def apply_bitmask_rows(logits: Tensor, positions: Sequence[int], bitmask: Tensor
         return
     if bitmask.shape[0] != len(positions):
         raise ValueError(f"{bitmask.shape[0]} bitmask rows for {len(positions)} logits rows")
-    bias = bitmask_bias(bitmask, logits.shape[1], logits.dtype, logits.device)
-    logits.index_add_(0, torch.tensor(list(positions), device=logits.device), bias)
+    with _one_cpu_thread(logits.device):
+        bias = bitmask_bias(bitmask, logits.shape[1], logits.dtype, logits.device)
+        logits.index_add_(0, torch.tensor(list(positions), device=logits.device), bias)
+
+
+@contextlib.contextmanager
+def _one_cpu_thread(device: torch.device):
+    """Run the masking ops on the calling thread alone (CPU). They move a few MB and are done in
+    about a millisecond either way; on a busy host, waiting for a descheduled second OpenMP thread
+    at every op costs far more (measured under load: median 2 ms on one thread, 300 ms on two)."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
