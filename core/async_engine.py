@@ -116,10 +116,10 @@ class AsyncLLMEngine:
         """Stream RequestOutput deltas until every sample of the request has finished.
 
         timeout: seconds from now after which the request ends with finish_reason "timeout"
-        (None: the engine's request_timeout, if any). kwargs: cache_salt, use_prefix_cache.
-        Invalid requests raise InvalidRequest (or a subclass) from the first iteration, a full
-        waiting queue EngineOverloaded, a closed or draining engine EngineDead / EngineShuttingDown
-        (at once), a failed step EngineStepFailed.
+        (None: the engine's request_timeout, if any). kwargs: cache_salt, use_prefix_cache
+        (compiled_grammar is filled in here). Invalid requests raise InvalidRequest (or a
+        subclass) from the first iteration, a full waiting queue EngineOverloaded, a closed or
+        draining engine EngineDead / EngineShuttingDown (at once), a failed step EngineStepFailed.
         """
         self._check_accepting()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -129,6 +129,12 @@ class AsyncLLMEngine:
         submitted = finished = False
         try:
             token_ids = await self._tokenize(prompt)
+            if params.structured_output is not None and "compiled_grammar" not in kwargs:
+                # Compiled on a worker thread (cached per constraint) and awaited here, before the
+                # engine thread sees the request: a slow schema holds back only its own request, and
+                # one that does not compile fails here with InvalidRequest.
+                kwargs["compiled_grammar"] = await asyncio.wrap_future(
+                    self.engine.structured_output.compiler.submit(params.structured_output))
             stream = _Stream(asyncio.get_running_loop(), samples_left=params.n)
             self._submit(_Add(request_id, token_ids, params, {**kwargs, "deadline": deadline}, stream))
             submitted = True

@@ -29,6 +29,7 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.core.scheduler import Scheduler, SchedulerStats
 from pagedserve.core.workload import WorkloadRecorder
+from pagedserve.core.structured_output.manager import StructuredOutputManager, StructuredStep
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,10 @@ class LLMEngine:
         self.deadlines = Deadlines()
         record = config.scheduler.record_workload
         self.workload_recorder = WorkloadRecorder(record) if record else None
+        stop_ids = list(self.arch.eos_token_ids) or ([self.eos_token_id] if self.eos_token_id is not None else [])
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, stop_ids)
+        """Grammar compilation (thread-safe: `structured_output.compiler.submit`) and per-sample grammar
+        state for constrained requests (core/structured_output)."""
         self._publish_metrics()
         logger.info("pagedserve engine: %s on %s in %s, %d KV blocks of %d tokens; loaded in %.2fs (%s)",
                     self.model_path, self.device, self.dtype, self.num_kv_blocks, cc.block_size,
@@ -216,11 +221,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
                     params: SamplingParams | None = None, *, cache_salt: str | None = None,
-                    use_prefix_cache: bool = True, detokenize: bool = True, deadline: float | None = None) -> str:
+                    use_prefix_cache: bool = True, detokenize: bool = True, deadline: float | None = None,
+                    compiled_grammar: Any = None) -> str:
         """Queue a request (n samples when params.n > 1); returns its request_id.
 
         deadline: time.monotonic() after which the request ends with finish_reason "timeout";
         None: arrival + request_timeout when that is configured, else never.
+        compiled_grammar: params.structured_output compiled ahead (AsyncLLMEngine awaits
+        `structured_output.compiler.submit` off this thread); None compiles it here, blocking.
         Raises InvalidRequest / RequestTooLong / DuplicateRequest / EngineOverloaded; nothing is
         queued then.
         """
@@ -245,6 +253,8 @@ class LLMEngine:
             deadline = time.monotonic() + self.config.limits.request_timeout
         if params.prompt_logprobs is not None:
             use_prefix_cache = False  # every prompt position must run to be scored
+        if params.structured_output is not None and compiled_grammar is None:
+            compiled_grammar = self.structured_output.compiler.compile(params.structured_output)
         leader = None
         sample_ids = []
         for index in range(params.n):
@@ -259,6 +269,8 @@ class LLMEngine:
                 use_prefix_cache=use_prefix_cache, prompt_leader=leader, deadline=deadline,
             )
             leader = leader or request
+            if compiled_grammar is not None:  # each sample walks the grammar on its own
+                self.structured_output.add(sample_id, compiled_grammar)
             self.scheduler.add_request(request)
             self.deadlines.add(request)
             self.output_processor.add(request, request_id, index, detokenize)
@@ -293,9 +305,20 @@ class LLMEngine:
             self._publish_metrics()
             return outputs
         sched_out = self.scheduler.schedule()
-        runner_out = self.runner.execute(sched_out)
-        updates = self.scheduler.update_from_output(sched_out, runner_out.sampled)
+        grammar = self.structured_output.prepare(sched_out)  # None unless a constrained request samples
+        runner_out = self.runner.execute(sched_out, grammar.bitmask if grammar is not None else None)
+        sampled = runner_out.sampled
+        if grammar is not None:
+            sampled = self.structured_output.accept(grammar, sampled)
+        updates = self.scheduler.update_from_output(sched_out, sampled)
+        if grammar is not None:
+            self._finish_by_grammar(grammar, updates)
         outputs += self.output_processor.process(updates, runner_out)
+        if grammar is not None:
+            for request_id in grammar.unsatisfiable:  # no token fits the constraint: end it, say why
+                request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_UNSATISFIABLE)
+                if request is not None:
+                    outputs.append(self.output_processor.abort(request))
         self._forget_finished(outputs)
         self._publish_metrics()
         return outputs
@@ -326,6 +349,7 @@ class LLMEngine:
         for sample_ids in self._samples_of.values():
             for sample_id in sample_ids:
                 self.scheduler.finish_request(sample_id, RequestStatus.FINISHED_ABORTED)
+            self.structured_output.forget(sample_ids)
         self._samples_of.clear()
         self.output_processor.samples.clear()
         self.deadlines.clear()
@@ -339,6 +363,13 @@ class LLMEngine:
         self.metrics.observe_step_failure()
         self._publish_metrics()
         return request_ids
+
+    def _finish_by_grammar(self, grammar: StructuredStep, updates: list[tuple[Request, int]]) -> None:
+        """A grammar that accepted its stop token is complete: the request stops there, even where
+        the scheduler would go on (ignore_eos, a second EOS id)."""
+        for request, _token in updates:
+            if request.request_id in grammar.terminated and not request.status.finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _publish_metrics(self) -> None:
         self.metrics.update_from_scheduler(self.scheduler.stats)

@@ -16,6 +16,7 @@ from pagedserve.core.output_processor import RunnerOutput
 from pagedserve.core.outputs import TokenLogprobs
 from pagedserve.core.sampler import Sampler, compute_logprobs
 from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagedserve.core.structured_output.manager import GrammarBitmask
 
 
 class ModelRunner:
@@ -82,8 +83,9 @@ class ModelRunner:
             return len(r.token_ids)
         return 1 if r.sample else 0
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Run one step: sampled tokens, their logprobs, and prompt logprobs where asked."""
+    def execute(self, out: SchedulerOutput, grammar: GrammarBitmask | None = None) -> RunnerOutput:
+        """Run one step: sampled tokens, their logprobs, and prompt logprobs where asked.
+        grammar: the structured-output token masks of this step's constrained requests."""
         self.sampler.forget(out.finished_request_ids)
         if out.is_empty:
             return RunnerOutput({}, {}, {})
@@ -101,9 +103,11 @@ class ModelRunner:
             row += n_rows
         if not sampling:
             return RunnerOutput({}, {}, prompt_logprobs)
+        sample_logits = logits[torch.tensor(sample_rows, device=logits.device)]
+        if grammar is not None:  # before the sampler: sampling and logprobs see the masked logits (as vLLM)
+            grammar.apply(sample_logits, [r.request_id for r in sampling])
         result = self.sampler(
-            logits[torch.tensor(sample_rows, device=logits.device)],
-            [r.request_id for r in sampling], [r.sampling_params for r in sampling],
+            sample_logits, [r.request_id for r in sampling], [r.sampling_params for r in sampling],
             [r.output_token_ids for r in sampling], [r.prompt_token_ids for r in sampling],
             [r.eos_token_id for r in sampling],
         )

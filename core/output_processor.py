@@ -82,7 +82,7 @@ class OutputProcessor:
         return outputs
 
     def abort(self, request: Request) -> RequestOutput:
-        """The final output of a sample finished from outside (abort)."""
+        """The final output of a sample finished outside a sampled token (abort, unsatisfiable constraint)."""
         return self._output(self.samples[request.request_id], (), None, time.monotonic())
 
     def _observe_timing(self, state: SampleState, now: float) -> None:

@@ -21,6 +21,8 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_TIMEOUT = enum.auto()
+    FINISHED_UNSATISFIABLE = enum.auto()
+    """The request's structured-output constraint allows no next token (core/structured_output)."""
 
     @property
     def finished(self) -> bool:
@@ -36,6 +38,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_TIMEOUT: "timeout",
+    RequestStatus.FINISHED_UNSATISFIABLE: "unsatisfiable",
 }
 
 

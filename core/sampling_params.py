@@ -19,6 +19,10 @@ Names and meanings follow vLLM / the OpenAI API. Allowed ranges (checked in __po
     logprobs            None or [0, 20]   top-N per generated token; the sampled token is always reported
     prompt_logprobs     None or [0, 20]
 
+`from_dict` also takes the structured-output keys (guided_json, guided_regex, guided_choice,
+guided_grammar, structured_outputs, guided_decoding; core/structured_output/params.py), which
+become `structured_output`: at most one constraint the output must satisfy.
+
 `from_dict` also takes `best_of` (OpenAI / vLLM: draw best_of samples, return the n best). It is
 accepted only as a no-op, omitted or equal to n: pagedserve returns every sample it draws. One
 rule for every adapter, so Triton and KServe answer the same request the same way.
@@ -26,12 +30,15 @@ rule for every adapter, so Triton and KServe answer the same request the same wa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.core.errors import InvalidRequest
+from pagedserve.core.structured_output.params import ALL_KEYS as STRUCTURED_OUTPUT_KEYS
+from pagedserve.core.structured_output.params import StructuredOutputParams, parse_structured_output
 from pagedserve.core.validation import build_strict, check_range
 
 _GREEDY_EPS = 1e-5
@@ -72,6 +79,8 @@ class SamplingParams:
     logprobs: int | None = None
     """Top-N raw logprobs per generated token (0: only the sampled token's); None: none."""
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutputParams | None = None
+    """The output must match this JSON schema / regex / choice / grammar (None: unconstrained)."""
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -114,7 +123,7 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "SamplingParams":
-        best_of = None
+        best_of = structured_output = None
         if isinstance(data, Mapping):
             # OpenAI's `stop` is "string, array or null"; the dataclass holds a tuple.
             if "stop" in data and (data["stop"] is None or isinstance(data["stop"], str)):
@@ -122,8 +131,15 @@ class SamplingParams:
             if "best_of" in data:
                 data = dict(data)
                 best_of = data.pop("best_of")
-        params = build_strict(cls, data, InvalidRequest, "sampling parameters")
+            if "structured_output" in data and data["structured_output"] is None:  # dataclasses.asdict's
+                data = {k: v for k, v in data.items() if k != "structured_output"}
+            data, structured_output = parse_structured_output(data)
+        # structured_output is built from its request spellings above, never taken as it is.
+        params = build_strict(cls, data, InvalidRequest, "sampling parameters", internal=("structured_output",),
+                              also_known=(*STRUCTURED_OUTPUT_KEYS, "best_of"))
         _check_best_of(best_of, params.n)
+        if isinstance(data, Mapping) and structured_output is not None:
+            params = dataclasses.replace(params, structured_output=structured_output)
         return params
 
 

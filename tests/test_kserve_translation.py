@@ -63,7 +63,9 @@ def test_chat_token_limits_and_logprobs():
 @pytest.mark.parametrize("body,param,needle", [
     ({"model": "m", "prompt": "x", "max_tokens": "3"}, "max_tokens", "valid integer"),
     ({"model": "m", "prompt": "x", "n": True}, "n", "valid integer"),
-    ({"model": "m", "prompt": "x", "guided_json": {}}, "guided_json", "unknown or unsupported field"),
+    ({"model": "m", "prompt": "x", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern",
+     "unknown or unsupported field"),
+    ({"model": "m", "prompt": "x", "guided_choice": "yes"}, "guided_choice", "valid array"),
     ({"prompt": "x"}, "model", "required field is missing"),
     ({"model": "m", "prompt": 5}, "prompt", "prompt"),
 ])

@@ -45,7 +45,7 @@ def test_from_dict_full_and_normalised():
     assert SamplingParams.from_dict({"seed": -(2**63)}).seed == -(2**63)
 
 
-KNOWN = "known keys: frequency_penalty, ignore_eos, include_stop_str_in_output, logprobs, max_tokens"
+KNOWN = "known keys: best_of, frequency_penalty, guided_choice, guided_decoding, guided_grammar, guided_json"
 
 # (input, field the message must name, further text it must contain)
 BAD = [

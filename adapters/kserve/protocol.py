@@ -5,29 +5,36 @@ naming the field, so a client learns at once that we ignored nothing it asked fo
 checked here: SamplingParams.from_dict checks them, with the same messages every adapter gives.
 Fields the OpenAI spec marks nullable take an explicit null as "the default".
 
-Some OpenAI fields ask for behaviour pagedserve does not have (tools, structured output, stored
-completions). Clients often send them at their default or no-op value (`tools: []`,
-`response_format: {"type": "text"}`, `store: false`): those are accepted and change nothing;
-any other value is a 400 naming the field (`_refuse`), never silently ignored.
+Structured output: OpenAI's `response_format` (json_object, json_schema) and vLLM's `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs` become one
+StructuredOutputParams (core/structured_output); at most one of them per request.
+
+Some OpenAI fields ask for behaviour pagedserve does not have (tools, stored completions). Clients
+often send them at their default or no-op value (`tools: []`, `store: false`): those are accepted
+and change nothing; any other value is a 400 naming the field (`_refuse`), never silently ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedserve.adapters.kserve.errors import OpenAIError
 from pagedserve.adapters.kserve.responses import StreamUsage
 from pagedserve.core.errors import InvalidRequest
 from pagedserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedserve.core.structured_output.params import (StructuredOutputParams, json_object_constraint,
+                                                      json_schema_constraint, one_constraint)
 from pagedserve.core.validation import check_range
 
 # Request fields that go to SamplingParams under the same name (OpenAI's and vLLM's extras).
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-                    "include_stop_str_in_output", "skip_special_tokens")
+                    "include_stop_str_in_output", "skip_special_tokens",
+                    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
 class _Strict(BaseModel):
@@ -44,9 +51,34 @@ class StreamOptions(_Strict):
     """vLLM's extra: with include_usage, every chunk also carries the usage so far."""
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema. `schema` is a pydantic attribute name, hence the alias."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    """Accepted either way: the output always follows the schema (constrained decoding)."""
+
+
 class ResponseFormat(_Strict):
     type: str
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> StructuredOutputParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return json_object_constraint("response_format")
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise OpenAIError(400, 'response_format type "json_schema" needs "json_schema": {"name": ..., '
+                                       '"schema": {...}}', param="response_format.json_schema")
+            if self.json_schema.schema_ is None:  # OpenAI: schema is optional; then any JSON object
+                return json_object_constraint("response_format.json_schema")
+            return json_schema_constraint(self.json_schema.schema_, "response_format.json_schema.schema")
+        raise _refuse("response_format", f"response_format type {self.type!r} is not supported; send "
+                                         '"text", "json_object" or "json_schema", or omit response_format')
 
 
 class _GenerateRequest(_Strict):
@@ -76,6 +108,12 @@ class _GenerateRequest(_Strict):
     min_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # vLLM's structured output extras (shapes checked by SamplingParams.from_dict)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def stream_usage(self) -> StreamUsage:
@@ -87,10 +125,6 @@ class _GenerateRequest(_Strict):
 
     def check_supported(self) -> None:
         """Raise a 400 naming the first field whose value asks for behaviour pagedserve lacks."""
-        fmt = self.response_format
-        if fmt is not None and fmt.type != "text":
-            raise _refuse("response_format", f"response_format type {fmt.type!r} is not supported (no structured "
-                                             'output); omit response_format or send {"type": "text"}')
         if self.logit_bias:
             raise _refuse("logit_bias", "logit_bias is not supported; omit it or send {}")
         if self.store:
@@ -104,7 +138,11 @@ class _GenerateRequest(_Strict):
                          prompt_logprobs: int | None = None, **extra: Any) -> SamplingParams:
         data: dict[str, Any] = {k: v for k in _SAMPLING_FIELDS if (v := getattr(self, k)) is not None}
         data.update(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **extra)
-        return SamplingParams.from_dict(data)
+        params = SamplingParams.from_dict(data)
+        if self.response_format is not None:
+            constraint = one_constraint(self.response_format.constraint(), params.structured_output)
+            params = dataclasses.replace(params, structured_output=constraint)
+        return params
 
 
 class CompletionRequest(_GenerateRequest):

@@ -16,6 +16,14 @@ from typing import Any
 
 from pagedserve.core.outputs import RequestOutput, TokenLogprobs
 
+MIN_LOGPROB = -9999.0
+"""A token a structured-output constraint forbids has logprob -inf, which JSON cannot carry; it is
+reported as this value instead, as vLLM's OpenAI server does."""
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
 
 class StreamUsage(enum.Enum):
     """What usage a stream reports: none; one extra last chunk (OpenAI's include_usage; every other
@@ -125,8 +133,8 @@ class CompletionRenderer(_Renderer):
         # most likely one keeps the key. The sampled token is always listed.
         top: dict[str, float] = {}
         for token_id, logprob in ((*entry.top, (entry.token_id, entry.logprob))):
-            top.setdefault(self._token_str(token_id), logprob)
-        return self._row(choice, self._token_str(entry.token_id), entry.logprob, top)
+            top.setdefault(self._token_str(token_id), _finite(logprob))
+        return self._row(choice, self._token_str(entry.token_id), _finite(entry.logprob), top)
 
     def chunk(self, prompt_index: int, out: RequestOutput) -> dict[str, Any]:
         index, choice, first = self._update(prompt_index, out)
@@ -173,7 +181,7 @@ class ChatRenderer(_Renderer):
 
     def _logprob(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self._token_str(token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
 
     def chunk(self, prompt_index: int, out: RequestOutput) -> dict[str, Any]:
         index, choice, first = self._update(prompt_index, out)

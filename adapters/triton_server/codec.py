@@ -36,6 +36,8 @@ TEXT_INPUTS = ("text_input", "sampling_parameters", *BOOL_INPUTS)
 _INT_KEYS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "best_of")
 _FLOAT_KEYS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _BOOL_KEYS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+MIN_LOGPROB = -9999.0
+"""What a -inf logprob (a token structured output forbids) is reported as, as vLLM does."""
 RESERVED_PARAMETER_PREFIX = "triton_"
 """Request parameters Triton's own frontends set (e.g. triton_enable_empty_final_response)."""
 TIMEOUT_PARAMETER = "timeout"
@@ -176,12 +178,15 @@ def parse_text_request(tensors: Mapping[str, np.ndarray | None], parameters_json
 
 
 def logprobs_json(entries: Sequence[TokenLogprobs], decode) -> list[dict[str, dict[str, Any]]]:
-    """vllm_backend's shape: per position {token_id: {logprob, rank, decoded_token}}, sampled first."""
+    """vllm_backend's shape: per position {token_id: {logprob, rank, decoded_token}}, sampled first.
+    A token a structured-output constraint forbids (logprob -inf) is reported at MIN_LOGPROB: JSON
+    has no infinity."""
     out = []
     for e in entries:
-        pos = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": decode(e.token_id)}}
+        pos = {str(e.token_id): {"logprob": max(e.logprob, MIN_LOGPROB), "rank": e.rank,
+                                 "decoded_token": decode(e.token_id)}}
         for rank, (tid, lp) in enumerate(e.top, start=1):
-            pos.setdefault(str(tid), {"logprob": lp, "rank": rank, "decoded_token": decode(tid)})
+            pos.setdefault(str(tid), {"logprob": max(lp, MIN_LOGPROB), "rank": rank, "decoded_token": decode(tid)})
         out.append(pos)
     return out
 

@@ -5,6 +5,7 @@ out, no tokenizer on the wire.
     input_ids INT32 [-1], request_output_len INT32 [1]
     optional: end_id, pad_id, runtime_top_k INT32 [1]; temperature, runtime_top_p FP32 [1];
               random_seed UINT64 [1]; streaming, stop, exclude_input_in_output BOOL [1]
+              guided_decoding_guide_type, guided_decoding_guide STRING [1] (structured output)
     -> output_ids INT32 [-1, -1] (beam x tokens, beam width 1), sequence_length INT32 [-1]
 
 Semantics follow TensorRT-LLM where it has them: decoding is greedy unless runtime_top_k > 1 or
@@ -13,12 +14,16 @@ sequence (it is not part of the output); non-streaming output_ids hold prompt + 
 unless exclude_input_in_output, and sequence_length counts what output_ids holds; streaming
 responses carry only the new tokens. `stop` = true ends the request before it generates anything.
 `pad_id` only pads beams of unequal length in TensorRT-LLM; with one beam it changes nothing.
+Structured output as TensorRT-LLM spells it: guided_decoding_guide_type "json" (any JSON object),
+"json_schema", "regex" or "ebnf_grammar", with the schema / pattern / grammar in guided_decoding_guide.
+
 The shipped model does not declare `stop` (see its config.pbtxt); a model restricted to this
 contract may.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -27,10 +32,14 @@ import numpy as np
 from pagedserve.core.errors import InvalidRequest
 from pagedserve.core.outputs import RequestOutput
 from pagedserve.core.sampling_params import SamplingParams
-from pagedserve.adapters.triton_server.codec import parse_bool, scalar
+from pagedserve.adapters.triton_server.codec import decode_utf8, parse_bool, scalar
+from pagedserve.core.structured_output.params import StructuredOutputParams, build_constraint
 
 TOKEN_INPUTS = ("input_ids", "request_output_len", "end_id", "pad_id", "temperature", "runtime_top_k",
-                "runtime_top_p", "random_seed", "streaming", "stop", "exclude_input_in_output")
+                "runtime_top_p", "random_seed", "streaming", "stop", "exclude_input_in_output",
+                "guided_decoding_guide_type", "guided_decoding_guide")
+_GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
+"""TensorRT-LLM's guide types -> the structured_outputs field that means the same."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,28 @@ def _flag(tensors: Mapping[str, np.ndarray | None], name: str) -> bool:
     return False if value is None else parse_bool(value, name)
 
 
+def _guide(tensors: Mapping[str, np.ndarray | None]) -> StructuredOutputParams | None:
+    raw_type = scalar(tensors.get("guided_decoding_guide_type"), "guided_decoding_guide_type")
+    raw_guide = scalar(tensors.get("guided_decoding_guide"), "guided_decoding_guide")
+    guide = None if raw_guide is None else decode_utf8(raw_guide, "guided_decoding_guide")
+    if raw_type is None:
+        if guide is not None:
+            raise InvalidRequest("guided_decoding_guide needs guided_decoding_guide_type (json_schema, regex, "
+                                 "ebnf_grammar)", param="guided_decoding_guide_type")
+        return None
+    guide_type = decode_utf8(raw_type, "guided_decoding_guide_type")
+    kind = _GUIDE_TYPES.get(guide_type)
+    if kind is None:
+        raise InvalidRequest(f"guided_decoding_guide_type={guide_type!r} is not supported; use one of "
+                             f"{', '.join(_GUIDE_TYPES)}", param="guided_decoding_guide_type")
+    if kind == "json_object":
+        return build_constraint(kind, True, "guided_decoding_guide_type")
+    if guide is None:
+        raise InvalidRequest(f"guided_decoding_guide_type={guide_type!r} needs guided_decoding_guide (the "
+                             "schema, pattern or grammar)", param="guided_decoding_guide")
+    return build_constraint(kind, guide, "guided_decoding_guide")
+
+
 def parse_token_request(tensors: Mapping[str, np.ndarray | None]) -> TokenRequest:
     ids = tensors.get("input_ids")
     if ids is None or np.asarray(ids).size == 0:
@@ -87,7 +118,8 @@ def parse_token_request(tensors: Mapping[str, np.ndarray | None]) -> TokenReques
     if seed is not None:
         fields["seed"] = seed
     _int(tensors, "pad_id")  # type-checked only: one beam never needs padding
-    return TokenRequest(prompt_ids, SamplingParams.from_dict(fields), _flag(tensors, "streaming"),
+    params = dataclasses.replace(SamplingParams.from_dict(fields), structured_output=_guide(tensors))
+    return TokenRequest(prompt_ids, params, _flag(tensors, "streaming"),
                         _flag(tensors, "stop"), _flag(tensors, "exclude_input_in_output"))
 
 
