@@ -26,7 +26,7 @@ def install(delay: float = 0.0, fault_file: str | None = None) -> None:
 
     real_execute = model_runner.ModelRunner.execute
 
-    def execute(self, out):
+    def execute(self, out, *args, **kwargs):
         if fault_file and not out.is_empty and os.path.exists(fault_file):
             try:
                 os.unlink(fault_file)
@@ -36,6 +36,6 @@ def install(delay: float = 0.0, fault_file: str | None = None) -> None:
                 raise RuntimeError("injected fault: the forward pass raised")
         if delay and not out.is_empty:
             time.sleep(delay)
-        return real_execute(self, out)
+        return real_execute(self, out, *args, **kwargs)
 
     model_runner.ModelRunner.execute = execute
