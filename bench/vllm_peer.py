@@ -40,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.common import RunResult, add_workload_args, load_workload, print_result, print_summary  # noqa: E402
+from bench.proctree import tree_rss  # noqa: E402
 
 VLLM_VERSION = "0.32.0"
 TORCH_PIN = "torch==2.13.0"
@@ -82,28 +83,6 @@ def ensure_vllm_venv(venv: Path, install: bool) -> Path:
 
 
 # -- running one side -------------------------------------------------------------------------------
-def tree_rss_bytes(pid: int) -> int:
-    """Resident memory of `pid` and all its descendants, from /proc."""
-    children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-            rss[int(entry.name)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError):
-            continue
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        total += rss.get(p, 0)
-        todo += children.get(p, [])
-    return total
-
-
 def run_side(side: str, python: Path, env: dict[str, str], args: argparse.Namespace, model: str, dtype: str,
              workload_file: Path, tokens_file: Path) -> tuple[dict, int]:
     """(the child's RESULT dict, peak process-tree RSS in bytes)."""
@@ -115,7 +94,7 @@ def run_side(side: str, python: Path, env: dict[str, str], args: argparse.Namesp
 
     def sample() -> None:
         while proc.poll() is None:
-            peak[0] = max(peak[0], tree_rss_bytes(proc.pid))
+            peak[0] = max(peak[0], tree_rss(proc.pid)[0])
             time.sleep(0.1)
 
     sampler = threading.Thread(target=sample, daemon=True)

@@ -31,8 +31,12 @@ def test_without_vllm_reports_pagedserve_and_no_ratio(tiny_model_dir, tmp_path):
 
 
 def test_tree_rss_counts_children():
+    """The peak RSS vllm_peer.py reports is bench/proctree.tree_rss of each side's child tree."""
     sys.path.insert(0, str(ROOT))
-    from bench.vllm_peer import tree_rss_bytes
+    from bench.proctree import tree_rss
+
+    def tree_rss_bytes(pid: int) -> int:
+        return tree_rss(pid)[0]
 
     child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(200 << 20); time.sleep(30)"])
     try:
