@@ -11,8 +11,8 @@ Per launcher, in this order (one launcher at a time, never two servers at once):
 2. READY: the model's `/v2/models/<name>/ready` answers 200 (polled every 50 ms);
 3. first token: one streaming request (Triton `generate_stream`, KServe OpenAI completions with
    `stream: true`) sent at READY; the clock stops at its first streamed token;
-4. unless --no-workload: the workload (bench/common.py: --workload FILE or the seeded generated
-   one) sent all at once, non-streaming, one HTTP client thread per request;
+4. unless --no-workload: the workload (bench/common.py: the reference w64.json unless --workload
+   names another file or `generated`) sent all at once, non-streaming, one HTTP client thread per request;
 5. 2 s idle (the engine hands freed heap back on going idle), the last RSS sample; the server is
    stopped as Ctrl-C / SIGTERM would.
 
