@@ -258,7 +258,7 @@ def run(model, requests, timeout=30):
     return [r.sender.sent for r in requests]
 
 
-def test_model_streams_with_one_final_and_errors_and_cancels(model):
+def test_model_streams_with_one_final_and_errors_and_cancels(model, tmp_path):
     sp = lambda **kw: np.array([json.dumps({"temperature": 0, "ignore_eos": True, **kw}).encode()], dtype=object)
     ok = FakeRequest({"text_input": t(b"abc", object), "stream": t(True), "sampling_parameters": sp(max_tokens=5)})
     bad = FakeRequest({"text_input": t(b"abc", object), "sampling_parameters": sp(max_tokens=0)})
@@ -267,8 +267,9 @@ def test_model_streams_with_one_final_and_errors_and_cancels(model):
                              "sampling_parameters": sp(max_tokens=100)}, sender=FakeSender(cancel_after=2))
     sent_ok, sent_bad, sent_long, sent_cancel = run(model, [ok, bad, too_long, cancelled])
     assert [f for _, f in sent_ok] == [0, 0, 0, 0, 1] and all(r.error is None for r, _ in sent_ok)
+    from pagedserve.core.config import EngineConfig
     from pagedserve.core.engine import LLMEngine
-    oracle = LLMEngine(model.engine.engine.config)  # never touch the served engine from this thread
+    oracle = LLMEngine(EngineConfig.from_json_file(tmp_path / "1" / "engine.json"))  # the model's own settings
     expected = oracle.generate(["abc"], SamplingParams(temperature=0, ignore_eos=True, max_tokens=5))
     assert "".join(r.outputs["text_output"][0].decode() for r, _ in sent_ok) == expected[0].text
     for sent, code, text in ((sent_bad, FakeError.INVALID_ARG, "max_tokens"),

@@ -149,16 +149,16 @@ class BatchRunner:
             if self.served_model_name is not None and req.model != self.served_model_name:
                 raise model_not_found(req.model, self.served_model_name)
             params = req.sampling_params()
-            tok = self.engine.tokenizer
+            decode = self.engine.tokenizer.decode
             rid = f"line{line.line_no}"
             if isinstance(req, ChatCompletionRequest):
                 prompts = [self.engine.apply_chat_template([m.as_template_input() for m in req.messages],
                                                            add_generation_prompt=req.add_generation_prompt
                                                            is not False)]
-                renderer = ChatRenderer(f"chatcmpl-{rid}", req.model, tok, params.n, params.logprobs is not None)
+                renderer = ChatRenderer(f"chatcmpl-{rid}", req.model, decode, params.n, params.logprobs is not None)
             else:
                 prompts = req.prompts()
-                renderer = CompletionRenderer(f"cmpl-{rid}", req.model, tok, params.n, params.logprobs is not None,
+                renderer = CompletionRenderer(f"cmpl-{rid}", req.model, decode, params.n, params.logprobs is not None,
                                               bool(req.echo), prompts, req.echo_only)
         except Exception as exc:  # noqa: BLE001 - a bad body is this line's answer, never the job's end
             return error_response(line, exc)

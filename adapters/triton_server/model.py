@@ -97,7 +97,6 @@ class TritonPythonModel:
         self.limits = config.limits
         self.model_name = args["model_name"]
         self.engine = AsyncLLMEngine(config)
-        self.tokenizer = self.engine.engine.tokenizer
         self._ids = itertools.count()
         self._live: dict[str, _Live] = {}
         """request_id -> its response sender and last cancellation poll; loop thread only."""
@@ -223,7 +222,7 @@ class TritonPythonModel:
         self._drain = asyncio.run_coroutine_threadsafe(self.engine.drain(self.limits.drain_timeout), self.loop)
 
     def _decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return self.engine.decode([token_id])
 
     @staticmethod
     def _send(sender, outputs: dict, flags: int) -> bool:
