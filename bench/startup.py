@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.common import add_workload_args, environment_line, load_workload  # noqa: E402
 from bench.proctree import process_tree, tree_cpu_seconds, tree_rss  # noqa: E402
-from pagedserve.adapters.local_ports import free_ports  # noqa: E402
+from tests.harness.local_ports import free_ports  # noqa: E402
 
 PROMPT = "What is a paged KV cache?"
 MODEL_NAME = "pagedserve"

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.common import (RunResult, Timer, add_workload_args, environment_line, load_workload,  # noqa: E402
                           print_result, print_summary, ratio_line)
-from pagedserve.adapters.local_ports import free_ports  # noqa: E402
+from tests.harness.local_ports import free_ports  # noqa: E402
 
 WARMUP = "The quick brown fox jumps over the lazy dog."
 

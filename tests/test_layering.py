@@ -5,7 +5,8 @@ where no test happens to import the offending module:
   (importlib with a string);
 * kernels/ import nothing from core/ (numerics only);
 * adapters import no private name (`_x`) from core: what they need is core's public API;
-* nothing imports the bare folder names `core`, `kernels`, `adapters` (PyPI has packages by those names).
+* nothing imports the bare folder names `core`, `kernels`, `adapters` (PyPI has packages by those names);
+* the package imports nothing from tests/ (its harness) or bench/.
 """
 
 from __future__ import annotations
@@ -61,6 +62,14 @@ def test_adapters_use_only_the_public_api_of_core():
 def test_nothing_imports_the_bare_folder_names(folder):
     bad = [f"{p.relative_to(ROOT)}:{line}: {module}" for p in sources(folder) for line, module, _ in imports(p)
            if top(module) in ("core", "kernels", "adapters")]
+    assert bad == []
+
+
+@pytest.mark.parametrize("folder", ["core", "kernels", "adapters", "model_repository"])
+def test_the_package_needs_no_test_harness(folder):
+    """Starting servers for tests and benchmarks (tests/harness) is not part of the product."""
+    bad = [f"{p.relative_to(ROOT)}:{line}: {module}" for p in sources(folder) for line, module, _ in imports(p)
+           if top(module) in ("tests", "harness", "bench")]
     assert bad == []
 
 

@@ -1,5 +1,5 @@
-"""Run `pagedserve kserve` in a child process and wait until the model is ready (tests, benchmarks,
-notebooks). Imports no kserve: the server has its own interpreter, so the caller may use
+"""Run `pagedserve kserve` in a child process and wait until the model is ready (tests and
+benchmarks). Imports no kserve: the server has its own interpreter, so the caller may use
 tritonclient.grpc (which cannot share a process with kserve)."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 
 from pagedserve.adapters.child_process import stop_process
-from pagedserve.adapters.local_ports import free_ports
+
+from .local_ports import free_ports
 
 
 @dataclass
