@@ -1,7 +1,7 @@
 """OpenAI-compatible routes (/openai/v1/...) served on kserve's FastAPI app, at the paths KServe's
 huggingfaceserver uses, so existing OpenAI clients only change the base URL.
 
-kserve's own OpenAI layer needs vLLM's request types (CONTRACTS.md), so we serve these ourselves.
+kserve's own OpenAI layer needs vLLM's request types (docs/contracts.md), so we serve these ourselves.
 This module imports no kserve: it only needs a FastAPI app and an AsyncLLMEngine. It translates
 and nothing more: every request goes straight to AsyncLLMEngine.generate, which batches.
 
