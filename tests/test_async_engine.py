@@ -213,6 +213,7 @@ def test_repeated_step_failures_kill_the_engine_and_nothing_hangs(engine_config)
 
 def test_after_shutdown_every_call_fails_fast(engine_config):
     engine = AsyncLLMEngine(engine_config)
+    _throttle(engine, 0.005)  # 400 tokens take >= 2 s, so the stream is still open at shutdown
 
     async def main():
         running = asyncio.ensure_future(collect(engine, "r", [1, 2, 3], SamplingParams(max_tokens=400, **GREEDY)))
