@@ -2,15 +2,16 @@
 
 A workload is a list of requests in arrival order, each `(prompt_ids, max_new_tokens)`, decoded
 greedily with EOS ignored so that every request produces exactly `max_new_tokens` tokens. It comes
-either from a JSON file (`--workload PATH`, the format of shared/workloads/w64.json) or, without a
-path, from a seeded generator, so a benchmark runs from a plain clone. The generator never falls back
-to a file on disk silently: a figure must say what it ran, and `load_workload` prints it.
+from a JSON file (`--workload PATH`; by default the reference workload tests/data/workloads/w64.json,
+whose README says how it was made) or, with `--workload generated`, from a seeded generator that
+tokenizes with the model's own tokenizer (w64.json holds SmolLM2 token ids: use `generated` for
+another model). `load_workload` prints which one ran: a figure must say what it measured.
 
 The generator follows the recipe of w64.json: the Debian license texts GPL-3, GFDL-1.3, Apache-2.0
-and MPL-2.0 are concatenated, whitespace collapsed, tokenized without special tokens; then, per request,
-`random.Random(seed)` draws the prompt length, the output length and the offset of a contiguous
-slice. With those files and the SmolLM2 tokenizer it reproduces w64.json token for token; without
-the files it uses a built-in English text (the workload name says which).
+and MPL-2.0 (copies in tests/data/license-texts/) are concatenated, whitespace collapsed, tokenized
+without special tokens; then, per request, `random.Random(seed)` draws the prompt length, the output
+length and the offset of a contiguous slice. With the SmolLM2 tokenizer it reproduces w64.json token
+for token.
 """
 
 from __future__ import annotations
@@ -26,11 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-LICENSE_DIR = Path("/usr/share/common-licenses")
+DATA_DIR = Path(__file__).resolve().parents[1] / "tests" / "data"
+LICENSE_DIR = DATA_DIR / "license-texts"
 LICENSE_TEXTS = ("GPL-3", "GFDL-1.3", "Apache-2.0", "MPL-2.0")
-SHARED_W64 = Path(__file__).resolve().parents[1] / ".." / "shared" / "workloads" / "w64.json"
+W64 = DATA_DIR / "workloads" / "w64.json"
+"""The reference workload: the default --workload."""
+GENERATED = "generated"
+"""The --workload value that asks for the seeded generated workload instead of a file."""
 
-# Used only where the license texts are missing (e.g. a non-Debian machine); repeated as needed.
+# A short English paragraph for benchmarks that need text of their own (bench/prefix.py, soak.py).
 FALLBACK_TEXT = (
     "A serving engine keeps many requests in flight at once. Each request brings a prompt, which the "
     "model reads in one pass, and then asks for new tokens, which the model writes one at a time. "
@@ -124,13 +129,10 @@ def parse_workload(data: Any, where: str, vocab_size: int | None = None) -> list
 
 
 def source_text() -> tuple[str, str]:
-    """(text, label): the license texts if all are present, else the built-in fallback."""
-    paths = [LICENSE_DIR / name for name in LICENSE_TEXTS]
-    if all(p.is_file() for p in paths):
-        text = " ".join("".join(p.read_text(encoding="utf-8") for p in paths).split())
-        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-        return text, f"Debian license texts {'+'.join(LICENSE_TEXTS)} (sha256 {digest})"
-    return " ".join(FALLBACK_TEXT.split()), "built-in fallback text (license texts not found)"
+    """(text, label): the license texts of tests/data/license-texts, whitespace collapsed."""
+    text = " ".join("".join((LICENSE_DIR / name).read_text(encoding="utf-8") for name in LICENSE_TEXTS).split())
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    return text, f"Debian license texts {'+'.join(LICENSE_TEXTS)} (sha256 {digest})"
 
 
 def generate_workload(tokenizer: Any, num_requests: int = 64, prompt_len: tuple[int, int] = (16, 512),
@@ -159,17 +161,21 @@ def generate_workload(tokenizer: Any, num_requests: int = 64, prompt_len: tuple[
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
     """--workload and --num-requests, the same in every benchmark."""
-    ap.add_argument("--workload", default=None, help="workload JSON (default: the seeded generated workload)")
+    ap.add_argument("--workload", default=str(W64),
+                    help=f"workload JSON, or {GENERATED!r} for the seeded generated one tokenized with the model's "
+                         f"tokenizer (default: the reference workload {W64.relative_to(DATA_DIR.parents[1])}, "
+                         "SmolLM2 token ids)")
     ap.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
 
 
 def load_workload(path: str | Path | None, tokenizer: Any, verbose: bool = True) -> Workload:
-    """The workload in `path` (JSON like shared/workloads/w64.json), or the seeded generated one."""
-    if path is None:
+    """The workload in `path` (JSON like tests/data/workloads/w64.json), or the seeded generated one
+    for None or "generated"."""
+    if path is None or str(path) == GENERATED:
         workload = generate_workload(tokenizer)
-        hint = f"; pass --workload {SHARED_W64.resolve()} for the shared file" if SHARED_W64.is_file() else ""
         if verbose:
-            print(f"[workload] no --workload given: generated a seeded workload{hint}")
+            print(f"[workload] generated a seeded workload with the model's tokenizer (the reference file: "
+                  f"--workload {W64})")
     else:
         p = Path(path)
         try:

@@ -70,7 +70,7 @@ async def _stream_all(base_url: str, requests: list[WorkloadRequest]) -> list[tu
 
 def run_kserve_stream(model: str, engine_args: list[str], workload: Workload,
                       threads: int | None) -> tuple[RunResult, list[str]]:
-    from pagedserve.adapters.kserve.launch import start_kserve
+    from tests.harness.kserve_launch import start_kserve
 
     env = {"OMP_NUM_THREADS": str(threads)} if threads else None
     with tempfile.TemporaryDirectory() as tmp:

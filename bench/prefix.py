@@ -5,7 +5,7 @@
                            [--max-num-batched-tokens 1024] [--max-num-seqs 128]
 
 Workload. One shared prompt of `--prefix-len` tokens of real English text (the Apache-2.0 license
-from /usr/share/common-licenses if present, else a built-in text), tokenized with the engine's own
+text in tests/data/license-texts), tokenized with the engine's own
 tokenizer; each request appends a unique `--suffix-len`-token suffix ("Question i:" + a different
 slice of the text) and decodes `--output-len` tokens greedily with EOS ignored.
 
@@ -31,20 +31,18 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import FALLBACK_TEXT, RunResult, environment_line, print_summary, ratio_line  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.common import LICENSE_DIR, RunResult, environment_line, print_summary, ratio_line  # noqa: E402
 
-APACHE = Path("/usr/share/common-licenses/Apache-2.0")
+APACHE = LICENSE_DIR / "Apache-2.0"
 WARMUP_TEXT = "The quick brown fox jumps over the lazy dog. A warm-up request before the clock starts."
 TARGET_SPEEDUP = 3.0
 TARGET_SAVED = 0.80
 
 
 def text_tokens(tokenizer, min_len: int) -> tuple[list[int], str]:
-    if APACHE.is_file():
-        text, label = " ".join(APACHE.read_text(encoding="utf-8").split()), str(APACHE)
-    else:
-        text, label = " ".join(FALLBACK_TEXT.split()), "built-in fallback text"
+    text, label = " ".join(APACHE.read_text(encoding="utf-8").split()), str(APACHE.relative_to(ROOT))
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     base = list(ids)
     while len(ids) < min_len:  # short text: repeat it

@@ -43,8 +43,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import FALLBACK_TEXT  # noqa: E402
-
-from pagedserve.adapters.kserve.launch import start_kserve  # noqa: E402
+from tests.harness.kserve_launch import start_kserve  # noqa: E402
 
 MODEL_NAME = "soak"
 WORDS = FALLBACK_TEXT.split()

@@ -11,8 +11,8 @@ Per launcher, in this order (one launcher at a time, never two servers at once):
 2. READY: the model's `/v2/models/<name>/ready` answers 200 (polled every 50 ms);
 3. first token: one streaming request (Triton `generate_stream`, KServe OpenAI completions with
    `stream: true`) sent at READY; the clock stops at its first streamed token;
-4. unless --no-workload: the workload (bench/common.py: --workload FILE or the seeded generated
-   one) sent all at once, non-streaming, one HTTP client thread per request;
+4. unless --no-workload: the workload (bench/common.py: the reference w64.json unless --workload
+   names another file or `generated`) sent all at once, non-streaming, one HTTP client thread per request;
 5. 2 s idle (the engine hands freed heap back on going idle), the last RSS sample; the server is
    stopped as Ctrl-C / SIGTERM would.
 
@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.common import add_workload_args, environment_line, load_workload  # noqa: E402
 from bench.proctree import process_tree, tree_cpu_seconds, tree_rss  # noqa: E402
-from pagedserve.adapters.local_ports import free_ports  # noqa: E402
+from tests.harness.local_ports import free_ports  # noqa: E402
 
 PROMPT = "What is a paged KV cache?"
 MODEL_NAME = "pagedserve"
@@ -158,7 +158,7 @@ class Launcher:
 
 def pagedserve_command() -> list[str]:
     script = Path(sys.executable).parent / "pagedserve"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "pagedserve.core.cli"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "pagedserve.adapters.cli"]
 
 
 def make_launcher(name: str, model: str) -> Launcher:

@@ -1,7 +1,7 @@
 """What structured outputs cost: the W64 workload all unconstrained vs half constrained to a JSON
 schema, on one engine, in one run.
 
-    python bench/structured.py [--workload ../shared/workloads/w64.json] [--num-requests N]
+    python bench/structured.py [--workload PATH] [--num-requests N]
                                [--max-new-tokens N] [--dtype auto] [--rounds 1] [--apply xgrammar]
 
 Both runs decode the same workload greedily (see bench/common.py; it prints which one ran). In the

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.common import (RunResult, Timer, add_workload_args, environment_line, load_workload,  # noqa: E402
                           print_result, print_summary, ratio_line)
-from pagedserve.adapters.local_ports import free_ports  # noqa: E402
+from tests.harness.local_ports import free_ports  # noqa: E402
 
 WARMUP = "The quick brown fox jumps over the lazy dog."
 
@@ -51,7 +51,7 @@ def engine_settings(args: argparse.Namespace) -> dict:
     return data
 
 
-def run_inprocess(settings: dict, prompts: list[str], lengths: list[int]) -> tuple[RunResult, list[str], object]:
+def run_inprocess(settings: dict, prompts: list[str], lengths: list[int]) -> tuple[RunResult, list[str]]:
     from pagedserve.core.async_engine import AsyncLLMEngine
     from pagedserve.core.config import EngineConfig
     from pagedserve.core.sampling_params import SamplingParams
@@ -71,11 +71,14 @@ def run_inprocess(settings: dict, prompts: list[str], lengths: list[int]) -> tup
     asyncio.run(one("warmup", WARMUP, 8))
     with Timer() as t:
         results = asyncio.run(all_requests())
-    tokenizer = engine.engine.tokenizer
+
+    async def count_prompt_tokens():
+        return sum([len(ids) for ids in await asyncio.gather(*(engine.tokenize(p) for p in prompts))])
+
+    prompt_tokens = asyncio.run(count_prompt_tokens())
     engine.shutdown()
-    prompt_tokens = sum(len(tokenizer.encode(p)) for p in prompts)
     return (RunResult("inprocess_async", t.elapsed, prompt_tokens, sum(n for _, n in results)),
-            [text for text, _ in results], tokenizer)
+            [text for text, _ in results])
 
 
 def _inputs(prompt: str, n: int):
@@ -181,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
           + (f" (capped at {args.max_tokens} each)" if args.max_tokens else ""))
 
     def inprocess():
-        result, texts, _tokenizer = run_inprocess(settings, prompts, lengths)
+        result, texts = run_inprocess(settings, prompts, lengths)
         print_result(result)
         gc.collect()
         return result, texts

@@ -1,9 +1,14 @@
 """AsyncLLMEngine: the engine steps on its own thread; callers get async iterators of deltas.
 
-The engine thread is the only one that touches engine state (DESIGN.md); callers talk to it
+The engine thread is the only one that touches engine state (docs/design.md); callers talk to it
 through one command queue (add, abort) and get results through per-request asyncio queues fed
 with loop.call_soon_threadsafe. Closing or cancelling an iterator aborts its request, which the
 engine thread applies before its next step, so the request's blocks are freed within one step.
+
+The LLMEngine inside is private. What adapters need besides generate/abort (tokenize, decode, the
+chat template, the model's facts, metrics, health, drain) is offered here, safe to call from any
+thread: none of it touches the state the engine thread owns (the tokenizer and the model's facts
+are read-only once loaded; metrics are a published snapshot).
 
 Nothing a single request sends may hold up the steps of the others: text prompts are tokenized
 on a small pool of worker threads (the tokenizer releases the GIL), after a character bound that
@@ -67,6 +72,19 @@ class _Stream:
 
 
 @dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the served model that adapters may read (fixed once the engine is loaded)."""
+
+    model_path: str
+    max_model_len: int
+    """Longest prompt + output, in tokens."""
+    vocab_size: int
+    max_prompt_chars: int
+    """Text prompts longer than this are refused before tokenizing (they cannot fit max_model_len)."""
+    has_chat_template: bool
+
+
+@dataclass(frozen=True)
 class _Add:
     request_id: str
     prompt_token_ids: list[int]
@@ -88,7 +106,7 @@ class AsyncLLMEngine:
         """Build the LLMEngine from ``config`` on the engine thread and return once it is loaded
         (a failed load raises here). ``engine``: an already built one (tests); built on another
         thread it steps with the slower two-team OpenMP setup described in the module docstring."""
-        self.engine: LLMEngine | None = engine
+        self._engine: LLMEngine | None = engine
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._lock = threading.Lock()
@@ -109,6 +127,10 @@ class AsyncLLMEngine:
             self._thread.join()
             self._tokenizer_pool.shutdown(wait=False)
             raise self._build_error
+        inner = self._engine
+        self._tokenizer = inner.tokenizer
+        self.model_info = ModelInfo(str(inner.model_path), inner.max_model_len, inner.arch.vocab_size,
+                                    inner.max_prompt_chars, bool(inner.tokenizer.chat_template))
 
     # -- caller side -----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -128,13 +150,13 @@ class AsyncLLMEngine:
             self._num_active += 1
         submitted = finished = False
         try:
-            token_ids = await self._tokenize(prompt)
+            token_ids = await self.tokenize(prompt)
             if params.structured_output is not None and "compiled_grammar" not in kwargs:
                 # Compiled on a worker thread (cached per constraint) and awaited here, before the
                 # engine thread sees the request: a slow schema holds back only its own request, and
                 # one that does not compile fails here with InvalidRequest.
                 kwargs["compiled_grammar"] = await asyncio.wrap_future(
-                    self.engine.structured_output.compiler.submit(params.structured_output))
+                    self._engine.structured_output.compiler.submit(params.structured_output))
             stream = _Stream(asyncio.get_running_loop(), samples_left=params.n)
             self._submit(_Add(request_id, token_ids, params, {**kwargs, "deadline": deadline}, stream))
             submitted = True
@@ -176,7 +198,7 @@ class AsyncLLMEngine:
 
     @property
     def metrics(self) -> MetricsSnapshot:
-        return self.engine.latest_metrics
+        return self._engine.latest_metrics
 
     def begin_drain(self) -> None:
         """Refuse new requests (EngineShuttingDown) and let the ones in flight finish."""
@@ -204,10 +226,30 @@ class AsyncLLMEngine:
         self._thread.join(timeout)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        self.engine.check_prompt_size(prompt)  # a length: a huge prompt is refused before tokenizing
+    # -- tokenizer and model facts (any thread; never the engine thread's state) -------------------
+    async def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt as generate() would run it: text is encoded (with the model's
+        special tokens) on the tokenizer pool, ids are range-checked. Raises RequestTooLong for a
+        prompt that cannot fit max_model_len (a text one before tokenizing), InvalidRequest for
+        bad ids."""
+        self._engine.check_prompt_size(prompt)  # a length: a huge prompt is refused before tokenizing
+        return await self._on_tokenizer_pool(self._engine.tokenize, prompt)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids (special tokens included), e.g. one logprob entry's token."""
+        return self._tokenizer.decode(list(token_ids))
+
+    async def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Chat messages ([{"role", "content"}, ...]) rendered with the model's template, on the
+        tokenizer pool. Refuses, before rendering, contents longer than any prompt can be
+        (RequestTooLong); InvalidRequest for malformed messages or a model without a template."""
+        self._engine.check_prompt_chars(sum(len(m["content"]) for m in messages
+                                            if isinstance(m, dict) and isinstance(m.get("content"), str)))
+        return await self._on_tokenizer_pool(self._engine.apply_chat_template, messages, add_generation_prompt)
+
+    async def _on_tokenizer_pool(self, fn, *args):
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.engine.tokenize, prompt)
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
         except RuntimeError:
             if self._closed is not None:  # the pool was shut down with the engine meanwhile
                 raise self._closed_error() from None
@@ -234,8 +276,8 @@ class AsyncLLMEngine:
     # -- engine thread ---------------------------------------------------------------------------
     def _run(self, config: EngineConfig | None) -> None:
         try:
-            if self.engine is None:
-                self.engine = LLMEngine(config)
+            if self._engine is None:
+                self._engine = LLMEngine(config)
         except BaseException as exc:  # noqa: BLE001 - re-raised by __init__ on the caller's thread
             self._build_error = exc
             return
@@ -244,13 +286,13 @@ class AsyncLLMEngine:
         try:
             busy = True  # loading freed its full-precision copies of the weights
             while True:
-                block = not self.engine.has_unfinished_requests()
+                block = not self._engine.has_unfinished_requests()
                 if block and busy:
                     release_free_heap()  # going idle: resident memory falls back to what is in use
                     busy = False
                 if not self._drain_commands(block):
                     return
-                if self.engine.has_unfinished_requests():
+                if self._engine.has_unfinished_requests():
                     busy = True
                     self._step()
         except BaseException as exc:  # noqa: BLE001 - anything here must reach every caller
@@ -259,7 +301,7 @@ class AsyncLLMEngine:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self._engine.step()
         except Exception as exc:  # noqa: BLE001 - a failed step ends its requests, not the engine
             self._recover(exc)
             return
@@ -278,7 +320,7 @@ class AsyncLLMEngine:
         for stream in self._streams.values():
             stream.put(EngineStepFailed(message))
         self._streams.clear()
-        self.engine.abort_all_after_failure()
+        self._engine.abort_all_after_failure()
         if self._consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
             raise RuntimeError(f"{self._consecutive_failures} engine steps in a row failed; last: {exc!r}") from exc
 
@@ -297,14 +339,14 @@ class AsyncLLMEngine:
                 self._add(cmd)
             elif isinstance(cmd, _Abort):
                 stream = self._streams.pop(cmd.request_id, None)
-                outputs = self.engine.abort_request(cmd.request_id)
+                outputs = self._engine.abort_request(cmd.request_id)
                 if stream is not None:
                     for out in outputs:
                         stream.put(out)
 
     def _add(self, cmd: _Add) -> None:
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, **cmd.kwargs)
+            self._engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, **cmd.kwargs)
         except PagedServeError as exc:  # a bad or refused request ends on its own
             cmd.stream.put(exc)
             return
@@ -318,7 +360,7 @@ class AsyncLLMEngine:
         # Forget a stream only after the whole step is delivered: several samples of one request
         # (n > 1) can finish in the same step, and the request is no longer live after the first.
         for out in outputs:
-            if out.finished and not self.engine.is_live(out.request_id):
+            if out.finished and not self._engine.is_live(out.request_id):
                 self._streams.pop(out.request_id, None)
 
     def _die(self, error: EngineDead) -> None:

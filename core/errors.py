@@ -1,6 +1,6 @@
 """Typed errors a caller can cause or observe.
 
-Adapters map each class once (HTTP status, TritonError code); see DESIGN.md rule 5.
+Adapters map each class once (HTTP status, TritonError code); see docs/design.md, rule 5.
 Every message names the field, the value and how to fix it.
 """
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.core.config import SCHEDULING_POLICIES, EngineConfig
+from pagedserve.core.engine_args import add_engine_args
 from pagedserve.core.replay import ReplayResult
 
 LADDERS: dict[str, tuple[Any, ...]] = {
@@ -200,8 +201,6 @@ def tune(base: EngineConfig, items, slo: Slo, max_trials: int, progress: bool = 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedserve.core.cli import _engine_args
-
     p = argparse.ArgumentParser(prog="pagedserve tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", required=True, help="JSONL of arrival_time/prompt_tokens/output_tokens "
                    "(what --record-workload writes) or the reference {'requests': [...]} JSON")
@@ -212,14 +211,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-trials", type=int, default=8, help="settings to try at most (default 8)")
     p.add_argument("--output", default="tuned-engine.json", help="where the best engine.json goes")
     p.add_argument("--plot", default="tune.png", help="PNG of throughput vs TTFT p95 ('' for none)")
-    _engine_args(p)
+    add_engine_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     import logging
 
-    from pagedserve.core.cli import engine_config_from_args
+    from pagedserve.core.engine_args import engine_config_from_args
     from pagedserve.core.errors import PagedServeError
     from pagedserve.core.workload import load_workload
 

@@ -65,9 +65,9 @@ def test_fifty_concurrent_streams_with_cancellations(engine_config):
         assert text == offline[i].text
         assert final.finish_reason == "length" and final.timing is not None
     _wait_idle(engine)
-    kv = engine.engine.kv_cache_manager
+    kv = engine._engine.kv_cache_manager
     kv.check_invariants()
-    assert kv.pool.num_free_blocks == engine.engine.num_kv_blocks
+    assert kv.pool.num_free_blocks == engine._engine.num_kv_blocks
     m = engine.metrics
     assert m.num_requests_running == 0 and m.kv_cache_usage_perc == 0.0
     assert m.request_success_total.get("length") == 40 and m.request_success_total.get("abort") == 10
@@ -79,7 +79,7 @@ def test_fifty_concurrent_streams_with_cancellations(engine_config):
 def _wait_idle(engine: AsyncLLMEngine, timeout: float = 10.0) -> None:
     import time
     deadline = time.monotonic() + timeout
-    while engine.engine.has_unfinished_requests() or engine.metrics.num_requests_running:
+    while engine._engine.has_unfinished_requests() or engine.metrics.num_requests_running:
         assert time.monotonic() < deadline, "aborted requests were not freed"
         time.sleep(0.01)
 
@@ -98,7 +98,7 @@ def test_abort_from_outside_ends_stream_and_frees_blocks(engine_config):
     outs = asyncio.run(main())
     assert outs[-1].finished and outs[-1].finish_reason == "abort"
     _wait_idle(engine)
-    assert engine.engine.kv_cache_manager.pool.num_free_blocks == engine.engine.num_kv_blocks
+    assert engine._engine.kv_cache_manager.pool.num_free_blocks == engine._engine.num_kv_blocks
     engine.shutdown()
 
 
@@ -138,29 +138,29 @@ def test_duplicate_request_id_is_rejected(engine_config):
 def _fail_steps(engine: AsyncLLMEngine, times: int, live: int) -> None:
     """Make the next `times` engine steps that run with `live` requests in flight raise, as a
     broken kernel would."""
-    real_step = engine.engine.step
+    real_step = engine._engine.step
     left = {"n": times}
 
     def flaky_step():
-        if left["n"] and len(engine.engine.scheduler.requests) >= live:
+        if left["n"] and len(engine._engine.scheduler.requests) >= live:
             left["n"] -= 1
             raise RuntimeError("injected kernel failure")
         return real_step()
 
-    engine.engine.step = flaky_step
+    engine._engine.step = flaky_step
 
 
 def _throttle(engine: AsyncLLMEngine, seconds: float) -> None:
     """At least `seconds` per step, so how long a request runs does not depend on machine speed."""
     import time
 
-    real_step = engine.engine.step
+    real_step = engine._engine.step
 
     def slow_step():
         time.sleep(seconds)
         return real_step()
 
-    engine.engine.step = slow_step
+    engine._engine.step = slow_step
 
 
 def test_step_failure_ends_every_stream_and_the_engine_recovers(engine_config):
@@ -186,8 +186,8 @@ def test_step_failure_ends_every_stream_and_the_engine_recovers(engine_config):
     assert engine.is_healthy()
     assert engine.metrics.engine_step_failures_total == 1
     _wait_idle(engine)
-    engine.engine.kv_cache_manager.check_invariants()
-    assert engine.engine.kv_cache_manager.pool.num_free_blocks == engine.engine.num_kv_blocks
+    engine._engine.kv_cache_manager.check_invariants()
+    assert engine._engine.kv_cache_manager.pool.num_free_blocks == engine._engine.num_kv_blocks
     engine.shutdown()
 
 
@@ -213,6 +213,7 @@ def test_repeated_step_failures_kill_the_engine_and_nothing_hangs(engine_config)
 
 def test_after_shutdown_every_call_fails_fast(engine_config):
     engine = AsyncLLMEngine(engine_config)
+    _throttle(engine, 0.005)  # 400 tokens take >= 2 s, so the stream is still open at shutdown
 
     async def main():
         running = asyncio.ensure_future(collect(engine, "r", [1, 2, 3], SamplingParams(max_tokens=400, **GREEDY)))
@@ -303,7 +304,7 @@ def test_deadlines_end_requests_with_timeout_and_free_their_blocks(engine_config
     assert waiting[2].finish_reason == "timeout" and waiting[0] == []
     assert own[2].finish_reason == "length" and len(own[0]) == 20
     _wait_idle(engine)
-    assert engine.engine.kv_cache_manager.pool.num_free_blocks == engine.engine.num_kv_blocks
+    assert engine._engine.kv_cache_manager.pool.num_free_blocks == engine._engine.num_kv_blocks
     assert engine.metrics.request_success_total == {"timeout": 2, "length": 1}
     engine.shutdown()
 
@@ -320,7 +321,7 @@ def test_prompts_are_tokenized_off_the_engine_thread_and_huge_ones_never(engine_
     import threading
 
     engine = AsyncLLMEngine(engine_config)
-    tokenizer = engine.engine.tokenizer
+    tokenizer = engine._engine.tokenizer
     seen: list[tuple[int, int]] = []
     real_encode = tokenizer.encode
 
@@ -329,7 +330,7 @@ def test_prompts_are_tokenized_off_the_engine_thread_and_huge_ones_never(engine_
         return real_encode(text, *args, **kwargs)
 
     tokenizer.encode = recording_encode
-    huge = "x" * (engine.engine.max_prompt_chars + 1)
+    huge = "x" * (engine.model_info.max_prompt_chars + 1)
 
     async def main():
         ok = await collect(engine, "ok", "The paged KV cache", SamplingParams(max_tokens=3, **GREEDY))
@@ -400,3 +401,4 @@ def test_engine_is_built_and_stepped_on_one_thread(engine_config, monkeypatch):
 def test_a_failed_build_raises_from_the_constructor(tmp_path):
     with pytest.raises(Exception, match="is not a directory"):
         AsyncLLMEngine(EngineConfig.from_dict({"model": str(tmp_path / "missing")}))
+

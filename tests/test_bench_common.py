@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -11,8 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import (SHARED_W64, RunResult, Workload, WorkloadError, WorkloadRequest,  # noqa: E402
-                          generate_workload, load_workload, parse_workload, ratio_line)
+from bench.common import (GENERATED, LICENSE_DIR, LICENSE_TEXTS, W64, RunResult, Workload,  # noqa: E402
+                          WorkloadError, WorkloadRequest, add_workload_args, generate_workload, load_workload, parse_workload, ratio_line,
+                          source_text)
 
 
 class WordTokenizer:
@@ -119,16 +122,33 @@ def test_ratio_line_format():
     assert ratio_line(ours, peer) == "ratio pagedserve/transformers_static: 3.33x"
 
 
+def test_reference_workload_and_its_source_texts_are_in_the_checkout():
+    """The benchmarks' default workload and the texts it was cut from travel with the repository."""
+    assert W64.is_relative_to(ROOT) and LICENSE_DIR.is_relative_to(ROOT)
+    data = json.loads(W64.read_text())
+    requests = parse_workload(data, str(W64))  # validated, header totals included
+    w = Workload("w64", "", requests)
+    assert (len(w.requests), w.total_prompt_tokens, w.total_new_tokens) == (64, 17296, 9351)
+    text, label = source_text()
+    assert hashlib.sha256(text.encode()).hexdigest() == data["source_text_sha256"]
+    assert "+".join(LICENSE_TEXTS) in label
+
+
+def test_workload_argument_defaults_to_the_reference_file(capsys):
+    ap = argparse.ArgumentParser()
+    add_workload_args(ap)
+    assert Path(ap.parse_args([]).workload) == W64
+    w = load_workload(ap.parse_args(["--workload", GENERATED]).workload, WordTokenizer())
+    assert w.name.startswith("generated") and "generated" in capsys.readouterr().out
+
+
 @pytest.mark.slow
-def test_generator_reproduces_shared_w64():
-    """Same recipe as shared/workloads/w64.json: with the license texts it matches token for token."""
-    licenses = [Path("/usr/share/common-licenses") / n for n in ("GPL-3", "GFDL-1.3", "Apache-2.0", "MPL-2.0")]
-    if not SHARED_W64.is_file() or not all(p.is_file() for p in licenses):
-        pytest.skip("needs ../shared/workloads/w64.json and the Debian license texts")
+def test_generator_reproduces_the_reference_workload():
+    """Same recipe as tests/data/workloads/w64.json: with the SmolLM2 tokenizer it matches token for token."""
     from transformers import AutoTokenizer
 
     from pagedserve.core.models.default_model import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("default"), local_files_only=True)
-    shared = load_workload(SHARED_W64, tok, verbose=False)
-    assert generate_workload(tok).requests == shared.requests
+    reference = load_workload(W64, tok, verbose=False)
+    assert generate_workload(tok).requests == reference.requests

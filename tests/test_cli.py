@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from oracle import hf_greedy
-from pagedserve.core.cli import main
+from pagedserve.adapters.cli import main
 
 
 def test_generate_prints_the_greedy_continuation(tiny_model_dir, capsys):
@@ -34,7 +34,8 @@ def test_engine_config_file_and_bad_key(tiny_model_dir, tmp_path, capsys):
 
 
 def test_engine_config_file_errors_name_the_file_and_flags_override_it(tiny_model_dir, tmp_path, capsys):
-    from pagedserve.core.cli import build_parser, engine_config_from_args
+    from pagedserve.adapters.cli import build_parser
+    from pagedserve.core.engine_args import engine_config_from_args
 
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
@@ -50,7 +51,7 @@ def test_engine_config_file_errors_name_the_file_and_flags_override_it(tiny_mode
 
 
 def test_missing_model_path_is_a_clear_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pagedserve.core.cli", "generate", "--model", str(tmp_path / "nope")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.adapters.cli", "generate", "--model",
+                           str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert str(tmp_path / "nope") in proc.stderr and "Traceback" not in proc.stderr

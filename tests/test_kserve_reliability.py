@@ -21,7 +21,7 @@ import pytest
 from kserve_server import ONE_THREAD, engine_value, scrape
 from reliability_helpers import MARKER, assert_no_stall, kserve_hooks_env, largest_gap
 
-from pagedserve.adapters.kserve.launch import start_kserve
+from harness.kserve_launch import start_kserve
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams

@@ -133,7 +133,7 @@ def _out(rid, index, ids, text, finished, n_out, n_prompt=3, cached=0):
 
 
 def test_renderer_indexes_choices_and_counts_usage_once_per_prompt():
-    r = CompletionRenderer("cmpl-1", "m", _Tok(), n=2, want_logprobs=False, echo=True, prompts=["P0", [1, 2, 3]])
+    r = CompletionRenderer("cmpl-1", "m", _Tok().decode, n=2, want_logprobs=False, echo=True, prompts=["P0", [1, 2, 3]])
     # cached prompt tokens count once per prompt, as sample 0 reports them (samples 2..n reuse its blocks)
     chunks = [r.chunk(0, _out("a", 1, [5], "x", False, 1, cached=2)),
               r.chunk(1, _out("b", 0, [6], "y", True, 1, cached=1)),

@@ -154,7 +154,7 @@ def test_chat_lines_on_the_default_model_from_the_pagedserve_command(tmp_path):
         {"custom_id": "chat-2", "method": "POST", "url": "/v1/chat/completions",
          "body": {"model": "SmolLM2", "messages": [{"role": "user", "content": "hi"}], "tools": [{"x": 1}]}},
     ])
-    proc = subprocess.run([sys.executable, "-m", "pagedserve.core.cli", "run-batch", "-i", str(inp), "-o", str(out),
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.adapters.cli", "run-batch", "-i", str(inp), "-o", str(out),
                            "--model", "default", "--max-model-len", "512", "--no-progress"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr

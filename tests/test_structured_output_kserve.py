@@ -16,7 +16,7 @@ import openai
 import pytest
 from kserve_server import ONE_THREAD, engine_value, scrape
 
-from pagedserve.adapters.kserve.launch import start_kserve
+from harness.kserve_launch import start_kserve
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from pagedserve.adapters.triton_server.codec import TextRequest, TextResponseBuilder, parse_text_request
-from pagedserve.adapters.triton_server.contracts import ALL_INPUTS, contract_from_config, parse_request
+from pagedserve.adapters.triton_server.contracts import (ALL_INPUTS, TEXT, TOKENS, contract_from_config, parse_request,
+                                                         select_contract)
 from pagedserve.adapters.triton_server.token_codec import TokenRequest
 from pagedserve.adapters.triton_server.metrics import replay_observations
 from pagedserve.adapters.triton_server.token_codec import parse_token_request
@@ -86,6 +87,9 @@ def test_one_model_both_contracts_the_request_says_which():
     assert isinstance(tokens, TokenRequest) and tokens.prompt_ids == [5, 6, 7] and tokens.exclude_input_in_output
     assert parse_request({"input_ids": ids, "request_output_len": t(4, np.int32)}, None, "tokens").params.max_tokens == 4
     assert set(ALL_INPUTS) >= {"text_input", "sampling_parameters", "input_ids", "request_output_len", "streaming"}
+    assert set(ALL_INPUTS) == set(TEXT.inputs) | set(TOKENS.inputs)  # each contract owns its inputs
+    assert select_contract({"text_input": t(b"hi", object)}) is TEXT and select_contract({"input_ids": ids}) is TOKENS
+    assert select_contract({}, "tokens") is TOKENS  # restricted: its own parser names the missing input
     assert contract_from_config({}) == "auto"
     assert contract_from_config({"parameters": {"contract": {"string_value": "tokens"}}}) == "tokens"
 
@@ -226,7 +230,9 @@ def fake_pb_utils():
 
 
 @pytest.fixture
-def model(monkeypatch, tmp_path, tiny_model_dir):
+def model(request, monkeypatch, tmp_path, tiny_model_dir):
+    """The model, restricted to the text contract unless a test asks for another (indirect param)."""
+    contract = getattr(request, "param", "text")
     name = "pagedserve.adapters.triton_server.model"
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb_utils())
     monkeypatch.delitem(sys.modules, name, raising=False)
@@ -238,7 +244,7 @@ def model(monkeypatch, tmp_path, tiny_model_dir):
     settings = {"model": str(tiny_model_dir("llama")), "dtype": "float32", "num_kv_blocks": 64, "max_model_len": 128}
     (tmp_path / "1" / "engine.json").write_text(json.dumps(settings))
     instance = module.TritonPythonModel()
-    config = {"model_transaction_policy": {"decoupled": True}, "parameters": {"contract": {"string_value": "text"}}}
+    config = {"model_transaction_policy": {"decoupled": True}, "parameters": {"contract": {"string_value": contract}}}
     instance.initialize({"model_config": json.dumps(config), "model_repository": str(tmp_path),
                          "model_version": "1", "model_name": "pagedserve"})
     try:
@@ -258,7 +264,7 @@ def run(model, requests, timeout=30):
     return [r.sender.sent for r in requests]
 
 
-def test_model_streams_with_one_final_and_errors_and_cancels(model):
+def test_model_streams_with_one_final_and_errors_and_cancels(model, tmp_path):
     sp = lambda **kw: np.array([json.dumps({"temperature": 0, "ignore_eos": True, **kw}).encode()], dtype=object)
     ok = FakeRequest({"text_input": t(b"abc", object), "stream": t(True), "sampling_parameters": sp(max_tokens=5)})
     bad = FakeRequest({"text_input": t(b"abc", object), "sampling_parameters": sp(max_tokens=0)})
@@ -267,8 +273,9 @@ def test_model_streams_with_one_final_and_errors_and_cancels(model):
                              "sampling_parameters": sp(max_tokens=100)}, sender=FakeSender(cancel_after=2))
     sent_ok, sent_bad, sent_long, sent_cancel = run(model, [ok, bad, too_long, cancelled])
     assert [f for _, f in sent_ok] == [0, 0, 0, 0, 1] and all(r.error is None for r, _ in sent_ok)
+    from pagedserve.core.config import EngineConfig
     from pagedserve.core.engine import LLMEngine
-    oracle = LLMEngine(model.engine.engine.config)  # never touch the served engine from this thread
+    oracle = LLMEngine(EngineConfig.from_json_file(tmp_path / "1" / "engine.json"))  # the model's own settings
     expected = oracle.generate(["abc"], SamplingParams(temperature=0, ignore_eos=True, max_tokens=5))
     assert "".join(r.outputs["text_output"][0].decode() for r, _ in sent_ok) == expected[0].text
     for sent, code, text in ((sent_bad, FakeError.INVALID_ARG, "max_tokens"),
@@ -284,6 +291,37 @@ def test_model_streams_with_one_final_and_errors_and_cancels(model):
     assert model.engine.metrics.kv_cache_usage_perc == 0.0
     success = FakeFamily.created["pagedserve:request_success_total"].metrics
     assert {m.labels["finished_reason"]: m.value for m in success} == {"length": 1, "abort": 1}
+
+
+@pytest.mark.parametrize("model", ["auto"], indirect=True)
+def test_one_model_serves_each_contract_through_its_own_object(model, tmp_path):
+    """Text and token requests side by side on one model; each is answered in its own contract's
+    outputs, and TensorRT-LLM's `stop` is answered without running the engine."""
+    from pagedserve.core.config import EngineConfig
+    from pagedserve.core.engine import LLMEngine
+
+    ids = [5, 9, 33, 2, 71]
+    sp = np.array([json.dumps({"temperature": 0, "ignore_eos": True, "max_tokens": 4}).encode()], dtype=object)
+    text = FakeRequest({"text_input": t(b"abc", object), "sampling_parameters": sp, "exclude_input_in_output": t(True)})
+    tokens = FakeRequest({"input_ids": np.array(ids, dtype=np.int32), "request_output_len": t(4, np.int32),
+                          "streaming": t(True)})
+    stop = FakeRequest({"input_ids": np.array(ids, dtype=np.int32), "request_output_len": t(4, np.int32),
+                        "stop": t(True)})
+    sent_text, sent_tokens, sent_stop = run(model, [text, tokens, stop])
+    oracle = LLMEngine(EngineConfig.from_json_file(tmp_path / "1" / "engine.json"))
+    greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=4)
+    expected_text, expected_ids = oracle.generate(["abc", ids], greedy)
+    (response, flags), = sent_text
+    assert flags == 1 and set(response.outputs) == {"text_output"}
+    assert response.outputs["text_output"].tolist() == [expected_text.text.encode()]
+    assert [f for _, f in sent_tokens][-1] == 1 and all(set(r.outputs) == {"output_ids", "sequence_length"}
+                                                        for r, _ in sent_tokens)
+    assert [i for r, _ in sent_tokens for i in r.outputs["output_ids"][0].tolist()] == list(expected_ids.token_ids)
+    (response, flags), = sent_stop  # one FINAL response holding the prompt alone: nothing generated
+    assert flags == 1 and response.outputs["output_ids"].tolist() == [ids]
+    assert response.outputs["sequence_length"].tolist() == [len(ids)]
+    # the engine saw "abc" and one token prompt, never `stop`'s
+    assert model.engine.metrics.prompt_tokens_total == len(oracle.tokenize("abc")) + len(ids)
 
 
 # -- launcher ------------------------------------------------------------------------------------
@@ -306,7 +344,7 @@ def test_backend_dir_holds_symlinks_and_env_finds_this_python(tmp_path):
 
 
 def test_launcher_names_a_missing_repository(tmp_path):
-    from pagedserve.core.cli import main
+    from pagedserve.adapters.cli import main
 
     with pytest.raises(SystemExit, match="does not exist; pass --model-repository"):
         main(["triton", "--model-repository", str(tmp_path / "nope"), "--http-port", "1"])

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import pytest
 
-from pagedserve.adapters.local_ports import free_ports
+from harness.local_ports import free_ports
 from pagedserve.adapters.triton_server.launcher import DEFAULT_REPOSITORY, start_server
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine

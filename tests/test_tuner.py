@@ -151,7 +151,7 @@ def test_recorder_writes_lengths_and_arrival_times_only_and_tune_replays_them(ti
 def test_record_workload_reaches_both_servers_config_paths(tmp_path):
     from pagedserve.adapters.kserve.server import build_parser
     from pagedserve.adapters.triton_server.engine_config import load_engine_config
-    from pagedserve.core.cli import engine_config_from_args
+    from pagedserve.core.engine_args import engine_config_from_args
 
     args = build_parser().parse_args(["--record-workload", str(tmp_path / "w.jsonl")])
     assert engine_config_from_args(args).scheduler.record_workload == str(tmp_path / "w.jsonl")

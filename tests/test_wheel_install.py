@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from bench.proctree import process_tree
-from pagedserve.adapters.local_ports import free_ports
+from harness.local_ports import free_ports
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams

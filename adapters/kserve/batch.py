@@ -35,6 +35,7 @@ from typing import Any
 from pagedserve.adapters.kserve.errors import error_body, model_not_found, to_openai_error
 from pagedserve.adapters.kserve.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from pagedserve.adapters.kserve.responses import ChatRenderer, CompletionRenderer, _Renderer
+from pagedserve.core.engine_args import add_engine_args, engine_config_from_args
 
 URLS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
 BATCH_DEFAULTS = {"scheduling_policy": "throughput", "scheduling_age_bound_s": 86400.0}
@@ -149,16 +150,16 @@ class BatchRunner:
             if self.served_model_name is not None and req.model != self.served_model_name:
                 raise model_not_found(req.model, self.served_model_name)
             params = req.sampling_params()
-            tok = self.engine.tokenizer
+            decode = self.engine.tokenizer.decode
             rid = f"line{line.line_no}"
             if isinstance(req, ChatCompletionRequest):
                 prompts = [self.engine.apply_chat_template([m.as_template_input() for m in req.messages],
                                                            add_generation_prompt=req.add_generation_prompt
                                                            is not False)]
-                renderer = ChatRenderer(f"chatcmpl-{rid}", req.model, tok, params.n, params.logprobs is not None)
+                renderer = ChatRenderer(f"chatcmpl-{rid}", req.model, decode, params.n, params.logprobs is not None)
             else:
                 prompts = req.prompts()
-                renderer = CompletionRenderer(f"cmpl-{rid}", req.model, tok, params.n, params.logprobs is not None,
+                renderer = CompletionRenderer(f"cmpl-{rid}", req.model, decode, params.n, params.logprobs is not None,
                                               bool(req.echo), prompts, req.echo_only)
         except Exception as exc:  # noqa: BLE001 - a bad body is this line's answer, never the job's end
             return error_response(line, exc)
@@ -275,8 +276,6 @@ def run_batch(engine: Any, input_path: Path, output_path: Path, served_model_nam
 
 
 def batch_engine_config(args: argparse.Namespace):
-    from pagedserve.core.cli import engine_config_from_args
-
     config = engine_config_from_args(args)
     set_in_file: set[str] = set()
     if args.engine_config:
@@ -289,12 +288,10 @@ def batch_engine_config(args: argparse.Namespace):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedserve.core.cli import _engine_args
-
     p = argparse.ArgumentParser(prog="pagedserve run-batch", description=__doc__.split("\n\n")[0])
     p.add_argument("-i", "--input", required=True, help="OpenAI Batch input file (JSONL)")
     p.add_argument("-o", "--output", required=True, help="results file (JSONL; appended to, resumable)")
-    _engine_args(p)
+    add_engine_args(p)
     p.add_argument("--scheduling-policy", choices=("fcfs", "prefix", "throughput"), default=None,
                    help="default: throughput (unless --engine-config sets one)")
     p.add_argument("--served-model-name", default=None,

@@ -2,7 +2,7 @@
 
 kserve serves prometheus_client's default REGISTRY; registering this collector there adds the
 engine families to that same page. Values are read at scrape time from the engine's frozen
-MetricsSnapshot (lock-free, DESIGN.md), so nothing is updated on the request path.
+MetricsSnapshot (lock-free, docs/design.md), so nothing is updated on the request path.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The kserve predictor: owns the AsyncLLMEngine and answers v1 :predict and v2 infer (REST, gRPC).
 
-Readiness (CONTRACTS.md): kserve registers a model only if `ready` is true when the server starts,
-so `ready` is set at once and the real readiness is `healthy()`, true only after start_engine()
-has loaded the engine and run one tiny generate. /v2/models/<m>/ready reports healthy(), and
-kserve refuses infer with 503 until then. Imported only by the server process (kserve inside).
+Readiness (docs/contracts.md, KServe): kserve registers a model only if `ready` is true when the
+server starts, so `ready` is set at once and the real readiness is `healthy()`, true only after
+start_engine() has loaded the engine and run one tiny generate. /v2/models/<m>/ready reports
+healthy(), and kserve refuses infer with 503 until then. Imported only by the server process (kserve inside).
 
 Drain: on SIGTERM the server calls begin_drain(): healthy() turns false at once, new requests get
 503, requests in flight may finish within drain_timeout, the rest then end with an error.

@@ -1,7 +1,7 @@
 """OpenAI-compatible routes (/openai/v1/...) served on kserve's FastAPI app, at the paths KServe's
 huggingfaceserver uses, so existing OpenAI clients only change the base URL.
 
-kserve's own OpenAI layer needs vLLM's request types (CONTRACTS.md), so we serve these ourselves.
+kserve's own OpenAI layer needs vLLM's request types (docs/contracts.md), so we serve these ourselves.
 This module imports no kserve: it only needs a FastAPI app and an AsyncLLMEngine. It translates
 and nothing more: every request goes straight to AsyncLLMEngine.generate, which batches.
 
@@ -156,7 +156,7 @@ class OpenAIServing:
         except (OpenAIError, PagedServeError) as exc:
             return error_response(exc)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        renderer = CompletionRenderer(request_id, self.model_name, engine.engine.tokenizer, params.n,
+        renderer = CompletionRenderer(request_id, self.model_name, engine.decode, params.n,
                                       params.logprobs is not None, bool(req.echo), prompts, req.echo_only)
         return await self._respond(request, engine, prompts, params, renderer, bool(req.stream), req.stream_usage)
 
@@ -164,16 +164,13 @@ class OpenAIServing:
         try:
             req, engine = await self._accept(ChatCompletionRequest, request)
             params = req.sampling_params()
-            messages = [m.as_template_input() for m in req.messages]
-            # The contents alone longer than any prompt can be: refuse before rendering; render on a
-            # worker thread, not on the event loop every other request needs.
-            engine.engine.check_prompt_chars(sum(len(m["content"]) for m in messages))
-            prompt = await asyncio.to_thread(engine.engine.apply_chat_template, messages,
-                                             add_generation_prompt=req.add_generation_prompt is not False)
+            # Refused unrendered if the contents alone cannot fit; rendered off the event loop.
+            prompt = await engine.apply_chat_template([m.as_template_input() for m in req.messages],
+                                                      add_generation_prompt=req.add_generation_prompt is not False)
         except (OpenAIError, PagedServeError) as exc:
             return error_response(exc)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        renderer = ChatRenderer(request_id, self.model_name, engine.engine.tokenizer, params.n,
+        renderer = ChatRenderer(request_id, self.model_name, engine.decode, params.n,
                                 params.logprobs is not None)
         return await self._respond(request, engine, [prompt], params, renderer, bool(req.stream), req.stream_usage)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ from pagedserve.core.outputs import RequestOutput, TokenLogprobs
 MIN_LOGPROB = -9999.0
 """A token a structured-output constraint forbids has logprob -inf, which JSON cannot carry; it is
 reported as this value instead, as vLLM's OpenAI server does."""
+Decode = Callable[[Sequence[int]], str]
 
 
 def _finite(logprob: float) -> float:
@@ -49,11 +50,12 @@ class _Renderer:
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, request_id: str, model: str, tokenizer: Any, n: int, want_logprobs: bool) -> None:
+    def __init__(self, request_id: str, model: str, decode: Decode, n: int, want_logprobs: bool) -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
-        self.tokenizer = tokenizer
+        self.decode = decode
+        """Token ids -> text (AsyncLLMEngine.decode): logprob tokens, echoed token-id prompts."""
         self.n = n
         self.want_logprobs = want_logprobs
         self.choices: dict[int, _Choice] = {}
@@ -63,7 +65,7 @@ class _Renderer:
         """prompt index -> its prompt tokens served from the prefix cache (sample 0's count)."""
 
     def _token_str(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return self.decode([token_id])
 
     def _update(self, prompt_index: int, out: RequestOutput) -> tuple[int, _Choice, bool]:
         index = prompt_index * self.n + out.index
@@ -114,9 +116,9 @@ class _Renderer:
 class CompletionRenderer(_Renderer):
     object_name = chunk_object_name = "text_completion"
 
-    def __init__(self, request_id: str, model: str, tokenizer: Any, n: int, want_logprobs: bool,
+    def __init__(self, request_id: str, model: str, decode: Decode, n: int, want_logprobs: bool,
                  echo: bool, prompts: Sequence[str | Sequence[int]], echo_only: bool = False) -> None:
-        super().__init__(request_id, model, tokenizer, n, want_logprobs)
+        super().__init__(request_id, model, decode, n, want_logprobs)
         self.echo = echo
         self.prompts = prompts
         self.echo_only = echo_only
@@ -149,7 +151,7 @@ class CompletionRenderer(_Renderer):
         text, rows = out.text, []
         if first and self.echo:
             prompt = self.prompts[prompt_index]
-            prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(list(prompt))
+            prompt_text = prompt if isinstance(prompt, str) else self.decode(list(prompt))
             if self.want_logprobs:  # the first prompt token has no logprob (nothing precedes it)
                 for tok, entry in zip(out.prompt_token_ids, self._prompt_logprobs.get(prompt_index, ())):
                     rows.append(self._entry_row(choice, entry) if entry is not None

@@ -7,7 +7,7 @@
 Routes: OpenAI (/openai/v1/completions, /chat/completions, /models), Open Inference Protocol v2
 (REST and gRPC ModelInfer), v1 :predict, health and readiness, /metrics. Arguments are parsed in
 main(); nothing runs at import, and kserve is imported only here and in model.py (it cannot share
-a process with tritonclient.grpc, CONTRACTS.md).
+a process with tritonclient.grpc, docs/contracts.md).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 
 from pagedserve.adapters.kserve.guards import API_KEY_ENV
-from pagedserve.core.cli import _engine_args, engine_config_from_args
+from pagedserve.core.engine_args import add_engine_args, engine_config_from_args
 from pagedserve.core.errors import PagedServeError
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedserve kserve", description=__doc__.split("\n\n")[0])
-    _engine_args(p)
+    add_engine_args(p)
     p.add_argument("--model-name", default="pagedserve",
                    help="name on the routes (/v2/models/NAME, OpenAI `model`); default: pagedserve")
     p.add_argument("--model-version", default="1", help="the `version` label of the engine metrics")

@@ -4,7 +4,7 @@ Pure functions over numpy arrays and dicts: the model (model.py) reads the reque
 a dict and wraps what `TextResponseBuilder` returns in pb_utils tensors, so this module never
 imports a Triton package and is unit-tested directly.
 
-The contract and its quirks are vllm_backend's (CONTRACTS.md section 1):
+The contract and its quirks are vllm_backend's (docs/contracts.md, Triton):
 - `sampling_parameters` is a JSON object; when the tensor is absent the request's `parameters`
   are used instead (that is how the keys of a `/generate` body that name no input arrive).
 - Clients written for vllm_backend send numbers as strings (`{"temperature": "0.1"}`); those are
@@ -143,6 +143,11 @@ class TextRequest:
     client_logprobs: bool = False
     """Whether the client asked for logprobs (the adapter may ask the engine for them anyway, to
     report cumulative_logprob)."""
+
+    @property
+    def generates(self) -> bool:
+        """Every text request runs on the engine (see TokenRequest.generates for one that does not)."""
+        return True
 
 
 def parse_text_request(tensors: Mapping[str, np.ndarray | None], parameters_json: str | None,

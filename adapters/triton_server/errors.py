@@ -1,4 +1,4 @@
-"""Core errors -> TritonError codes, in one place (DESIGN.md rule 5).
+"""Core errors -> TritonError codes, in one place (docs/design.md, rule 5).
 
 Triton turns the code into the gRPC status (INVALID_ARG -> INVALID_ARGUMENT, ...) and the HTTP
 status (INVALID_ARG -> 400, UNAVAILABLE -> 503, ...), so the mapping here decides what clients see.

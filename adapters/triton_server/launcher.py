@@ -6,7 +6,7 @@
     pagedserve triton --write-repository DIR    (a copy of the shipped repository to edit, then exit)
 
 The wheel carries a complete Triton 2.51 server with the Python backend and its stubs; no GPU or
-CUDA driver is needed. What it takes (CONTRACTS.md section 1):
+CUDA driver is needed. What it takes (docs/contracts.md, Triton):
 
 * a backend directory `<dir>/python/` of SYMLINKS to the wheel's libtriton_python.so,
   triton_python_backend_utils.py and the stub for this Python (a copied stub hangs the load);

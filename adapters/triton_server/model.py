@@ -6,7 +6,8 @@ model_repository/<name>/1/model.py imports this class. Per model instance (one s
   file fails the load naming the key), starts an asyncio loop on a background thread, and starts
   the metrics refresher. Each request speaks the text contract (vllm_backend's: text_input,
   codec.py) or the token contract (TensorRT-LLM's: input_ids, token_codec.py); contracts.py tells
-  which. The config parameter `contract` may restrict the model to one of them.
+  which, and that contract's object parses the request and builds its responses. The config
+  parameter `contract` may restrict the model to one of them.
 * execute() validates each request, hands it to the loop and returns None at once. Responses go
   out from the loop thread through the request's response sender.
 * Every request ends with exactly one response flagged FINAL: the last data response on success,
@@ -37,12 +38,12 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pagedserve.adapters.triton_server.codec import TextRequest, TextResponseBuilder, timeout_seconds
-from pagedserve.adapters.triton_server.contracts import ALL_INPUTS, contract_from_config, parse_request
+from pagedserve.adapters.triton_server.codec import timeout_seconds
+from pagedserve.adapters.triton_server.contracts import (ALL_INPUTS, Contract, ContractRequest, contract_from_config,
+                                                         select_contract)
 from pagedserve.adapters.triton_server.errors import cancelled_error, to_triton_error
 from pagedserve.adapters.triton_server.engine_config import ENGINE_JSON, MODEL_OVERRIDE_ENV, load_engine_config
 from pagedserve.adapters.triton_server.metrics import TritonEngineMetrics
-from pagedserve.adapters.triton_server.token_codec import TokenResponseBuilder
 from pagedserve.core.async_engine import AsyncLLMEngine
 from pagedserve.core.errors import ConfigError, InvalidRequest, PagedServeError
 
@@ -91,13 +92,12 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise ConfigError("pagedserve streams responses: set model_transaction_policy { decoupled: true } "
                               "in config.pbtxt")
-        self.contract = contract_from_config(model_config)
+        self.allowed_contract = contract_from_config(model_config)
         path = Path(args["model_repository"]) / args["model_version"] / ENGINE_JSON
         config = load_engine_config(path, os.environ.get(MODEL_OVERRIDE_ENV))
         self.limits = config.limits
         self.model_name = args["model_name"]
         self.engine = AsyncLLMEngine(config)
-        self.tokenizer = self.engine.engine.tokenizer
         self._ids = itertools.count()
         self._live: dict[str, _Live] = {}
         """request_id -> its response sender and last cancellation poll; loop thread only."""
@@ -110,24 +110,24 @@ class TritonPythonModel:
         self._watcher = asyncio.run_coroutine_threadsafe(self._watch(), self.loop)
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.metrics = TritonEngineMetrics(pb_utils, lambda: self.engine.metrics, labels)
-        logger.info("pagedserve: model %s (%s contract) ready", args["model_name"], self.contract)
+        logger.info("pagedserve: model %s (%s contract) ready", args["model_name"], self.allowed_contract)
 
     # -- request intake (Triton's thread) ---------------------------------------------------------
     def execute(self, requests: list) -> None:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                parsed = self._parse(request)
+                contract, parsed = self._parse(request)
                 timeout = timeout_seconds(request.timeout() if hasattr(request, "timeout") else 0,
                                           request.parameters())
             except Exception as exc:  # noqa: BLE001 - every failure becomes the request's final error
                 self._send_error(sender, exc)
                 continue
             request_id = f"{request.request_id() or 'triton'}-{next(self._ids)}"
-            asyncio.run_coroutine_threadsafe(self._serve(request_id, parsed, sender, timeout), self.loop)
+            asyncio.run_coroutine_threadsafe(self._serve(request_id, contract, parsed, sender, timeout), self.loop)
         return None
 
-    def _parse(self, request):
+    def _parse(self, request) -> tuple[Contract, ContractRequest]:
         tensors = {}
         for name in ALL_INPUTS:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -136,22 +136,21 @@ class TritonPythonModel:
         if size > self.limits.max_request_bytes:  # checked before the prompt is even decoded
             raise InvalidRequest(f"the request's inputs are {size} bytes, over max_request_bytes="
                                  f"{self.limits.max_request_bytes} (engine.json); send a shorter prompt")
-        return parse_request(tensors, request.parameters(), self.contract)
+        contract = select_contract(tensors, self.allowed_contract)
+        return contract, contract.parse(tensors, request.parameters())
 
     # -- serving (loop thread) ----------------------------------------------------------------------
-    async def _serve(self, request_id: str, parsed, sender, timeout: float | None) -> None:
+    async def _serve(self, request_id: str, contract: Contract, parsed: ContractRequest, sender,
+                     timeout: float | None) -> None:
         final_sent = False
         try:
-            if isinstance(parsed, TextRequest):
-                builder, prompt = TextResponseBuilder(parsed, self._decode_token), parsed.prompt
-            else:
-                builder, prompt = TokenResponseBuilder(parsed), parsed.prompt_ids
-            if getattr(parsed, "stop_now", False):
+            builder = contract.response_builder(parsed, self._decode_token)
+            if not parsed.generates:
                 final_sent = self._send(sender, builder.final(), FINAL)
                 return
             live = self._live[request_id] = _Live(sender, time.monotonic())
             finished, n = 0, parsed.params.n
-            stream = self.engine.generate(request_id, prompt, parsed.params, timeout=timeout)
+            stream = self.engine.generate(request_id, parsed.prompt, parsed.params, timeout=timeout)
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     if out.finish_reason == "abort" or live.cancelled():
@@ -223,7 +222,7 @@ class TritonPythonModel:
         self._drain = asyncio.run_coroutine_threadsafe(self.engine.drain(self.limits.drain_timeout), self.loop)
 
     def _decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return self.engine.decode([token_id])
 
     @staticmethod
     def _send(sender, outputs: dict, flags: int) -> bool:

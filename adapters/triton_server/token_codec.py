@@ -48,7 +48,17 @@ class TokenRequest:
     params: SamplingParams
     stream: bool = False
     stop_now: bool = False
+    """TensorRT-LLM's `stop` input: end the request before it generates anything."""
     exclude_input_in_output: bool = False
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.prompt_ids
+
+    @property
+    def generates(self) -> bool:
+        """False for `stop`: the one final response is sent without running the engine."""
+        return not self.stop_now
 
 
 def _int(tensors: Mapping[str, np.ndarray | None], name: str) -> int | None:

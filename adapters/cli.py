@@ -1,12 +1,17 @@
-"""The `pagedserve` command line. Arguments are parsed in main(); nothing runs at import.
+"""The `pagedserve` command line (the console script). Arguments are parsed in main(); nothing
+runs at import.
 
   pagedserve generate [--model default] [--prompt TEXT ...] [--max-tokens N] [--temperature T]
 
-  pagedserve triton ...   start a real tritonserver on model_repository/ (adapters/triton_server)
-  pagedserve kserve ...   start a kserve ModelServer with OpenAI routes (adapters/kserve)
+  pagedserve triton ...      start a real tritonserver on model_repository/ (adapters/triton_server)
+  pagedserve kserve ...      start a kserve ModelServer with OpenAI routes (adapters/kserve)
+  pagedserve run-batch ...   run an OpenAI Batch file offline (adapters/kserve/batch.py)
+  pagedserve tune ...        search engine settings within a latency SLO (core/tuner.py)
 
-core never imports a platform (DESIGN.md): the platform subcommands import their adapter's
-`main(argv)` only when they are invoked, and parse their own arguments there.
+It lives with the adapters because it wires the platforms up; core imports no adapter
+(docs/design.md). Each subcommand but `generate` is a module whose `main(argv)` parses the rest of
+the command line, imported only when invoked: kserve and tritonclient.grpc cannot share a process,
+and neither should slow down the others' start.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import argparse
 import sys
 import time
 
+from pagedserve.core.engine_args import add_engine_args, engine_config_from_args
+
 DEFAULT_PROMPTS = (
     "What is a paged KV cache?",
     "Write a haiku about batching.",
@@ -22,48 +29,11 @@ DEFAULT_PROMPTS = (
 )
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help='local HF directory, or "default" (embedded SmolLM2-135M)')
-    p.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16, float16")
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (tokens)")
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache pool")
-    p.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="requests queued for admission before new ones are refused (default 256)")
-    p.add_argument("--max-waiting-prompt-tokens", type=int, default=None,
-                   help="prompt tokens queued for admission before new requests are refused (default 262144)")
-    p.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds after which a request ends with finish_reason 'timeout' (default: off)")
-    p.add_argument("--max-request-bytes", type=int, default=None,
-                   help="largest request body / prompt input in bytes (default 8 MiB)")
-    p.add_argument("--drain-timeout", type=float, default=None,
-                   help="seconds requests in flight get to finish on SIGTERM (default 20)")
-    p.add_argument("--record-workload", default=None, metavar="PATH",
-                   help="append each finished request's arrival time and lengths (no text) to PATH, for `tune`")
-    p.add_argument("--engine-config", default=None, help="JSON file of engine settings (flags override it)")
-
-
-def engine_config_from_args(args: argparse.Namespace):
-    from pagedserve.core.config import EngineConfig
-
-    flags = {key: getattr(args, key) for key in ("model", "dtype", "block_size", "max_num_seqs",
-                                                  "max_num_batched_tokens", "max_model_len", "kv_cache_memory",
-                                                  "max_waiting_requests", "max_waiting_prompt_tokens",
-                                                  "request_timeout", "max_request_bytes", "drain_timeout",
-                                                  "record_workload")
-             if getattr(args, key) is not None}
-    if args.engine_config:
-        return EngineConfig.from_json_file(args.engine_config, flags)
-    return EngineConfig.from_dict(flags)
-
-
 def _generate(args: argparse.Namespace) -> int:
     from pagedserve.core.engine import LLMEngine
     from pagedserve.core.sampling_params import SamplingParams
 
-    engine = LLMEngine(engine_config_from_args(args))
+    engine = LLMEngine(engine_config_from_args(args))  # offline: no engine thread, no platform
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     if not args.raw:
         prompts = [engine.apply_chat_template([{"role": "user", "content": p}]) if engine.tokenizer.chat_template
@@ -85,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text offline for a few prompts")
-    _engine_args(gen)
+    add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable); defaults to three examples")
     gen.add_argument("--raw", action="store_true", help="send prompts as-is, without the chat template")
     gen.add_argument("--max-tokens", type=int, default=64)

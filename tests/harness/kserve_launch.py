@@ -1,5 +1,5 @@
-"""Run `pagedserve kserve` in a child process and wait until the model is ready (tests, benchmarks,
-notebooks). Imports no kserve: the server has its own interpreter, so the caller may use
+"""Run `pagedserve kserve` in a child process and wait until the model is ready (tests and
+benchmarks). Imports no kserve: the server has its own interpreter, so the caller may use
 tritonclient.grpc (which cannot share a process with kserve)."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 
 from pagedserve.adapters.child_process import stop_process
-from pagedserve.adapters.local_ports import free_ports
+
+from .local_ports import free_ports
 
 
 @dataclass
@@ -49,7 +50,7 @@ def start_kserve(model: str | Path, log_path: Path, model_name: str = "pagedserv
     """Start the server on loopback free ports; return once /v2/models/<name>/ready answers 200
     (the engine has loaded and warmed up). Raises with the log's tail if it exits or times out."""
     http_port, grpc_port = free_ports(2)
-    cmd = [sys.executable, "-m", "pagedserve.core.cli", "kserve", "--model", str(model), "--model-name", model_name,
+    cmd = [sys.executable, "-m", "pagedserve.adapters.cli", "kserve", "--model", str(model), "--model-name", model_name,
            "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port), *args]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})

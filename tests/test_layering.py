@@ -1,0 +1,83 @@
+"""The import rules of docs/design.md, read from the source (ast), so a violation fails here even
+where no test happens to import the offending module:
+
+* core/ and kernels/ import no adapter and no platform package, not even lazily or by name
+  (importlib with a string);
+* kernels/ import nothing from core/ (numerics only);
+* adapters import no private name (`_x`) from core: what they need is core's public API;
+* nothing imports the bare folder names `core`, `kernels`, `adapters` (PyPI has packages by those names);
+* the package imports nothing from tests/ (its harness) or bench/.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PLATFORMS = ("tritonserver", "triton_python_backend_utils", "tritonclient", "pytriton", "kserve", "pydantic",
+             "fastapi", "starlette", "uvicorn", "prometheus_client", "grpc")
+
+
+def sources(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+def imports(path: Path) -> list[tuple[int, str, tuple[str, ...]]]:
+    """(line, module, imported names) of every import statement, plus string constants that name a
+    pagedserve module (importlib.import_module targets)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, ()) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module, tuple(alias.name for alias in node.names)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("pagedserve."):
+            found.append((node.lineno, node.value, ()))
+    return found
+
+
+def top(module: str) -> str:
+    return module.split(".")[0]
+
+
+@pytest.mark.parametrize("folder", ["core", "kernels"])
+def test_the_engine_imports_no_adapter_and_no_platform(folder):
+    bad = [f"{p.relative_to(ROOT)}:{line}: {module}" for p in sources(folder) for line, module, _ in imports(p)
+           if module.startswith("pagedserve.adapters") or top(module) in PLATFORMS
+           or (folder == "kernels" and module.startswith("pagedserve.core"))]
+    assert bad == []
+
+
+def test_adapters_use_only_the_public_api_of_core():
+    bad = [f"{p.relative_to(ROOT)}:{line}: {module} {name}" for p in sources("adapters")
+           for line, module, names in imports(p) if module.startswith("pagedserve.core")
+           for name in names if name.startswith("_")]
+    assert bad == []
+
+
+@pytest.mark.parametrize("folder", ["core", "kernels", "adapters", "model_repository", "bench", "tests"])
+def test_nothing_imports_the_bare_folder_names(folder):
+    bad = [f"{p.relative_to(ROOT)}:{line}: {module}" for p in sources(folder) for line, module, _ in imports(p)
+           if top(module) in ("core", "kernels", "adapters")]
+    assert bad == []
+
+
+@pytest.mark.parametrize("folder", ["core", "kernels", "adapters", "model_repository"])
+def test_the_package_needs_no_test_harness(folder):
+    """Starting servers for tests and benchmarks (tests/harness) is not part of the product."""
+    bad = [f"{p.relative_to(ROOT)}:{line}: {module}" for p in sources(folder) for line, module, _ in imports(p)
+           if top(module) in ("tests", "harness", "bench")]
+    assert bad == []
+
+
+def test_the_rules_catch_a_violation(tmp_path):
+    """The checks above can fail: a lazy adapter import and a private core name are both seen."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    import importlib\n    from pagedserve.core.cli import _engine_args\n"
+                     "    return importlib.import_module('pagedserve.adapters.kserve.server')\n")
+    found = imports(probe)
+    assert (3, "pagedserve.core.cli", ("_engine_args",)) in found
+    assert (4, "pagedserve.adapters.kserve.server", ()) in found
