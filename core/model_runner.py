@@ -12,10 +12,9 @@ import torch
 from pagedserve.core.forward_batch import ForwardBatch
 from pagedserve.core.kv_cache.cache_tensors import KVCacheSpec, allocate_kv_caches
 from pagedserve.core.models.llama import LlamaDecoder
-from pagedserve.core.output_processor import RunnerOutput
 from pagedserve.core.outputs import TokenLogprobs
 from pagedserve.core.sampler import Sampler, compute_logprobs
-from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagedserve.core.step_types import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.core.structured_output.manager import GrammarBitmask
 
 

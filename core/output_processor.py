@@ -15,6 +15,7 @@ from pagedserve.core.detokenizer import IncrementalDetokenizer
 from pagedserve.core.metrics import EngineMetrics
 from pagedserve.core.outputs import RequestOutput, RequestTiming, TokenLogprobs
 from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.step_types import RunnerOutput
 
 
 @dataclass(slots=True, eq=False)
@@ -28,15 +29,6 @@ class SampleState:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     sent_prompt_logprobs: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class RunnerOutput:
-    sampled: dict[str, int]
-    logprobs: dict[str, TokenLogprobs]
-    """Per request that asked for logprobs and sampled this step."""
-    prompt_logprobs: dict[str, list[TokenLogprobs | None]]
-    """Per request that asked for prompt logprobs: entries for the prompt tokens this step covered."""
 
 
 class OutputProcessor:

@@ -16,39 +16,8 @@ from dataclasses import dataclass
 from pagedserve.core.config import SchedulerConfig
 from pagedserve.core.kv_cache.manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.core.scheduling_policy import Admission, make_policy
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    """One request's share of an iteration; self-contained so the runner needs nothing else."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    """The tokens to compute this step: positions [start_position, start_position + len)."""
-    start_position: int
-    block_ids: tuple[int, ...]
-    sample: bool
-    """True when this step reaches the request's last known token, so a new token is sampled."""
-    sampling_params: SamplingParams
-    prompt_token_ids: tuple[int, ...]
-    output_token_ids: tuple[int, ...]
-    """Tokens generated so far (for penalties); empty until the first sample."""
-    eos_token_id: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerOutput:
-    requests: tuple[ScheduledRequest, ...]
-    num_batched_tokens: int
-    preempted_request_ids: tuple[str, ...]
-    finished_request_ids: tuple[str, ...] = ()
-    """Requests that finished or were aborted since the previous step (the runner drops their state)."""
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests
+from pagedserve.core.step_types import ScheduledRequest, SchedulerOutput
 
 
 @dataclass(slots=True)
