@@ -36,7 +36,8 @@ def test_n_samples_share_prompt_blocks_and_prefill_once(tiny_model_dir):
     outs = []
     while engine.has_unfinished_requests():
         outs.extend(engine.step())
-        tables = [engine.kv_cache_manager.get_block_ids(f"multi\x00{i}") for i in range(4)]
+        samples = [r for r in engine.scheduler.requests.values() if r.request_id == "multi"]
+        tables = [engine.kv_cache_manager.get_block_ids(r) for r in samples]
         live = [t for t in tables if t]
         if len(live) == 4:
             common = set.intersection(*(set(t[:9]) for t in live))
@@ -49,7 +50,7 @@ def test_n_samples_share_prompt_blocks_and_prefill_once(tiny_model_dir):
     assert all(len(s) == 6 for s in samples.values())
     assert len({tuple(s) for s in samples.values()}) > 1  # different seeds per sample
     assert {o.request_id for o in outs} == {"multi"}
-    assert engine.kv_cache_manager.pool.num_free_blocks == engine.num_kv_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
 
 
 def test_n_greedy_samples_all_equal_transformers(tiny_model_dir):
@@ -124,7 +125,7 @@ def test_stop_string_finishes_and_truncates(tiny_model_dir):
     assert res.finish_reason == "stop" and res.stop_reason == stop
     assert res.text == text[: text.index(stop)]
     assert len(res.token_ids) < 30
-    assert engine.kv_cache_manager.pool.num_free_blocks == engine.num_kv_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
 
 
 @pytest.mark.parametrize("params,error,needle", [
