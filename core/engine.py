@@ -15,7 +15,7 @@ import torch
 from pagedserve.core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pagedserve.core.errors import ConfigError, DuplicateRequest, InvalidRequest, RequestTooLong
 from pagedserve.core.kv_cache.cache_tensors import KVCacheSpec, make_kv_cache_spec
-from pagedserve.core.kv_cache.manager import KVCacheManager
+from pagedserve.core.kv_cache.manager import KVCacheManager, cdiv
 from pagedserve.core.layers.attention import select_attention_backend
 from pagedserve.core.limits import Deadlines, WaitingQueueGuard, max_prompt_chars
 from pagedserve.core.metrics import EngineMetrics
@@ -150,9 +150,9 @@ class LLMEngine:
             # max_model_len tokens can ever need (blocks are also only touched when used, see
             # cache_tensors.lazy_zeros), so kv_cache_usage_perc is a share of a pool that can fill.
             budget = DEFAULT_CPU_KV_CACHE_MEMORY
-            blocks_per_seq = -(-self.max_model_len // cc.block_size)
+            blocks_per_seq = cdiv(self.max_model_len, cc.block_size)
             budget = min(budget, self.config.scheduler.max_num_seqs * blocks_per_seq * per_block)
-        num_blocks = budget // per_block
+        num_blocks = kv_spec.num_blocks(budget)
         if num_blocks < 1:
             raise ConfigError(
                 f"kv_cache_memory={budget} bytes holds no KV block ({per_block} bytes each); raise kv_cache_memory"
