@@ -24,11 +24,8 @@ from pagedserve.core.step_types import ScheduledRequest, SchedulerOutput, StepUp
 class SchedulerStats:
     num_running: int = 0
     num_waiting: int = 0
-    num_kv_blocks_used: int = 0
-    num_kv_blocks_free: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions_total: int = 0
-    num_scheduled_tokens_last_step: int = 0
     num_prompt_tokens_total: int = 0
     """Prompt tokens of requests that reached their first output token (each prompt counted once)."""
     num_computed_prompt_tokens_total: int = 0
@@ -143,7 +140,6 @@ class Scheduler:
 
         scheduled = tuple(self._scheduled(r, num_new[r.seq_id]) for r in self.running if r.seq_id in num_new)
         total = sum(num_new.values())
-        self.stats.num_scheduled_tokens_last_step = total
         self.stats.num_steps_total += 1
         finished, self._finished_since_last_step = tuple(self._finished_since_last_step), []
         self._refresh_stats()
@@ -248,8 +244,6 @@ class Scheduler:
         s.num_running = len(self.running)
         s.num_waiting = len(self.waiting)
         kv = self.kv
-        s.num_kv_blocks_used = kv.num_used_blocks
-        s.num_kv_blocks_free = kv.num_free_blocks
         s.kv_cache_usage = kv.usage
         s.prefix_cache_queries_total = kv.prefix_stats.queries
         s.prefix_cache_hits_total = kv.prefix_stats.hits

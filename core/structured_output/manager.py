@@ -50,10 +50,6 @@ class StructuredOutputStats:
     accept_s: float = 0.0
     """Advancing the grammars by the sampled tokens."""
 
-    @property
-    def total_s(self) -> float:
-        return self.fill_s + self.apply_s + self.accept_s
-
 
 @dataclass(slots=True, eq=False)
 class _GrammarState:
