@@ -5,7 +5,8 @@ per-request timing and the latency histograms. Its state per sample lives on the
 (the output fields of core.request.Request); it never changes a sample's status. A stop string it
 finds is reported back (ProcessedOutputs.stopped) and the engine has the scheduler finish the
 sample, so its blocks are freed in the same step, as vLLM's output processor returns
-`reqs_to_abort`.
+`reqs_to_abort`. Where the token that completes a stop string also ended the sample in the
+scheduler (max_tokens), the output still says finish_reason "stop": the stop string wins.
 """
 
 from __future__ import annotations
