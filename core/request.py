@@ -13,10 +13,16 @@ Who writes what (everything runs on the engine thread):
 * the scheduler alone changes `status` (admit, preempt, finish) and the token counts;
 * the output processor fills the output fields and tells the engine which samples a stop string
   ended; the engine then finishes them through the scheduler;
-* other components keep state of their own per sample only where it is theirs, keyed by seq_id
-  and dropped when the scheduler reports the sample finished (SchedulerOutput.finished_seq_ids):
-  the KV cache manager's block tables, the sampler's seeded generators, the structured-output
-  grammar matchers. The scheduler's `requests` index maps a step's seq_ids back to their samples.
+* other components keep state of their own per sample only where it is theirs, keyed by seq_id:
+  the KV cache manager's block tables (freed and forgotten by the scheduler as it finishes the
+  sample), and the sampler's seeded generators and cached prompts and the structured-output
+  grammar matchers (dropped when SchedulerOutput.finished_seq_ids reports the sample finished).
+  The scheduler's `requests` index maps a step's seq_ids back to their samples; `Deadlines` holds
+  the samples that have one in a heap. Both hold references, not state.
+
+Beyond the engine, delivery keeps one entry per request_id: AsyncLLMEngine's stream (where the
+outputs go, on the caller's event loop) and the Triton model's response sender (the platform's
+handle). They end with the request's last final output.
 """
 
 from __future__ import annotations
