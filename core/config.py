@@ -14,6 +14,7 @@ from typing import Any
 
 from pagedserve.core.errors import ConfigError
 from pagedserve.core.validation import build_strict, check_range
+from pagedserve.kernels.kv_dtypes import KV_CACHE_DTYPE_NAMES
 
 DTYPE_ALIASES = {
     "auto": "auto",
@@ -21,10 +22,15 @@ DTYPE_ALIASES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "fp16": "float16", "half": "float16",
 }
-KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16", "int8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "cpu", "reference", "triton")
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 SCHEDULING_POLICIES = ("fcfs", "prefix", "throughput")
+
+
+def check_kv_cache_dtype(name: str) -> None:
+    """kv_cache_dtype names one of pagedserve.kernels.kv_dtypes.KV_CACHE_DTYPES, or "auto"."""
+    if name not in KV_CACHE_DTYPE_NAMES:
+        raise ConfigError(f"kv_cache_dtype={name!r} is not supported; use one of {KV_CACHE_DTYPE_NAMES}")
 
 
 @dataclass(frozen=True)
@@ -74,8 +80,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         check_range(ConfigError, "block_size", self.block_size, 1, 1024)
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one of {KV_CACHE_DTYPES}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         check_range(ConfigError, "kv_cache_memory", self.kv_cache_memory, 1)
         check_range(ConfigError, "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
         check_range(ConfigError, "num_kv_blocks", self.num_kv_blocks, 1)

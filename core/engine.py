@@ -15,7 +15,7 @@ import torch
 from pagedserve.core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pagedserve.core.errors import ConfigError, DuplicateRequest, InvalidRequest, RequestTooLong
 from pagedserve.core.kv_cache.cache_tensors import KVCacheSpec, make_kv_cache_spec
-from pagedserve.core.kv_cache.manager import KVCacheManager
+from pagedserve.core.kv_cache.manager import KVCacheManager, cdiv
 from pagedserve.core.layers.attention import select_attention_backend
 from pagedserve.core.limits import Deadlines, WaitingQueueGuard, max_prompt_chars
 from pagedserve.core.metrics import EngineMetrics
@@ -25,9 +25,10 @@ from pagedserve.core.models.default_model import resolve_model_path
 from pagedserve.core.models.loader import load_decoder
 from pagedserve.core.output_processor import OutputProcessor
 from pagedserve.core.outputs import CompletionResult, RequestOutput
-from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.request import EngineRequest, Request, RequestStatus
 from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.core.scheduler import Scheduler, SchedulerStats
+from pagedserve.core.step_types import StepUpdate
 from pagedserve.core.workload import WorkloadRecorder
 from pagedserve.core.structured_output.manager import StructuredOutputManager, StructuredStep
 
@@ -113,10 +114,11 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.num_kv_blocks, cc.block_size, kv_spec)
         mark("KV cache")
         self._ids = itertools.count()
-        self._samples_of: dict[str, list[str]] = {}
-        """request_id -> its live sample ids (one unless n > 1)."""
+        self._requests: dict[str, EngineRequest] = {}
+        """Every live request by request_id: the engine's one record of a request and its samples,
+        from add_request until its last final output (core/request.py says who owns what)."""
         self.metrics = EngineMetrics()
-        self.output_processor = OutputProcessor(self.tokenizer, self.metrics, self.scheduler.finish_request)
+        self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
         """Text prompts longer than this cannot fit max_model_len: refused before tokenizing."""
         self.queue_guard = WaitingQueueGuard(config.limits, self.metrics)
@@ -148,9 +150,9 @@ class LLMEngine:
             # max_model_len tokens can ever need (blocks are also only touched when used, see
             # cache_tensors.lazy_zeros), so kv_cache_usage_perc is a share of a pool that can fill.
             budget = DEFAULT_CPU_KV_CACHE_MEMORY
-            blocks_per_seq = -(-self.max_model_len // cc.block_size)
+            blocks_per_seq = cdiv(self.max_model_len, cc.block_size)
             budget = min(budget, self.config.scheduler.max_num_seqs * blocks_per_seq * per_block)
-        num_blocks = budget // per_block
+        num_blocks = kv_spec.num_blocks(budget)
         if num_blocks < 1:
             raise ConfigError(
                 f"kv_cache_memory={budget} bytes holds no KV block ({per_block} bytes each); raise kv_cache_memory"
@@ -236,7 +238,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self._samples_of:
+        if request_id in self._requests:
             raise DuplicateRequest(f"request_id={request_id!r} is already running; use a unique id")
         token_ids = self.tokenize(prompt)
         if not token_ids:
@@ -256,36 +258,35 @@ class LLMEngine:
         if params.structured_output is not None and compiled_grammar is None:
             compiled_grammar = self.structured_output.compiler.compile(params.structured_output)
         leader = None
-        sample_ids = []
+        samples = []
         for index in range(params.n):
             sample_params = params
             if index > 0:  # each sample draws its own tokens; only the first scores the prompt
                 seed = None if params.seed is None else (params.seed + index) & 0xFFFF_FFFF_FFFF_FFFF
                 sample_params = dataclasses.replace(params, seed=seed, prompt_logprobs=None)
-            sample_id = request_id if params.n == 1 else f"{request_id}\x00{index}"
             request = Request(
-                request_id=sample_id, prompt_token_ids=token_ids, sampling_params=sample_params,
-                eos_token_id=self.eos_token_id, max_tokens=max_tokens, cache_salt=cache_salt,
+                request_id=request_id, prompt_token_ids=token_ids, sampling_params=sample_params,
+                eos_token_id=self.eos_token_id, max_tokens=max_tokens, index=index, cache_salt=cache_salt,
                 use_prefix_cache=use_prefix_cache, prompt_leader=leader, deadline=deadline,
             )
             leader = leader or request
             if compiled_grammar is not None:  # each sample walks the grammar on its own
-                self.structured_output.add(sample_id, compiled_grammar)
+                self.structured_output.add(request.seq_id, compiled_grammar)
+            self.output_processor.add(request, detokenize)
             self.scheduler.add_request(request)
             self.deadlines.add(request)
-            self.output_processor.add(request, request_id, index, detokenize)
-            sample_ids.append(sample_id)
-        self._samples_of[request_id] = sample_ids
+            samples.append(request)
+        self._requests[request_id] = EngineRequest(request_id, tuple(samples))
         return request_id
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Finish every live sample of the request now (finish_reason "abort") and free its blocks.
         Returns their final outputs (empty if the request is unknown or already finished)."""
+        entry = self._requests.pop(request_id, None)
         outputs = []
-        for sample_id in self._samples_of.pop(request_id, []):
-            request = self.scheduler.finish_request(sample_id, RequestStatus.FINISHED_ABORTED)
-            if request is not None:
-                outputs.append(self.output_processor.abort(request))
+        for sample in entry.samples if entry is not None else ():
+            if self.scheduler.finish_request(sample, RequestStatus.FINISHED_ABORTED):
+                outputs.append(self.output_processor.final_output(sample))
         self._publish_metrics()
         return outputs
 
@@ -294,7 +295,7 @@ class LLMEngine:
 
     def is_live(self, request_id: str) -> bool:
         """Whether any sample of the request is still queued or running."""
-        return request_id in self._samples_of
+        return request_id in self._requests
 
     def step(self) -> list[RequestOutput]:
         """One iteration: end expired requests, schedule, run the batch, sample, apply stop rules,
@@ -313,12 +314,15 @@ class LLMEngine:
         updates = self.scheduler.update_from_output(sched_out, sampled)
         if grammar is not None:
             self._finish_by_grammar(grammar, updates)
-        outputs += self.output_processor.process(updates, runner_out)
+        processed = self.output_processor.process(updates, runner_out)
+        for request, stop in processed.stopped:  # the output already says "stop"; free the blocks now
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop)
+        outputs += processed.outputs
         if grammar is not None:
-            for request_id in grammar.unsatisfiable:  # no token fits the constraint: end it, say why
-                request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_UNSATISFIABLE)
-                if request is not None:
-                    outputs.append(self.output_processor.abort(request))
+            for seq_id in grammar.unsatisfiable:  # no token fits the constraint: end it, say why
+                request = self.scheduler.requests.get(seq_id)
+                if request is not None and self.scheduler.finish_request(request, RequestStatus.FINISHED_UNSATISFIABLE):
+                    outputs.append(self.output_processor.final_output(request))
         self._forget_finished(outputs)
         self._publish_metrics()
         return outputs
@@ -326,50 +330,51 @@ class LLMEngine:
     def _expire_deadlines(self) -> list[RequestOutput]:
         outputs = []
         for request in self.deadlines.pop_expired():
-            finished = self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_TIMEOUT)
-            if finished is not None:
-                outputs.append(self.output_processor.abort(finished))
+            if self.scheduler.finish_request(request, RequestStatus.FINISHED_TIMEOUT):
+                outputs.append(self.output_processor.final_output(request))
         return outputs
 
     def _forget_finished(self, outputs: list[RequestOutput]) -> None:
+        """Drop a request once every sample has had its final output (all of them are in `outputs`
+        or earlier steps' outputs)."""
         for out in outputs:
-            if out.finished and self.workload_recorder is not None and out.timing is not None:
+            if not out.finished:
+                continue
+            if self.workload_recorder is not None and out.timing is not None:
                 self.workload_recorder.record(out.timing.arrival, out.num_prompt_tokens, out.num_output_tokens)
-            if out.finished:
-                samples = self._samples_of.get(out.request_id)
-                if samples is not None and all(s not in self.scheduler.requests for s in samples):
-                    del self._samples_of[out.request_id]
+            entry = self._requests.get(out.request_id)
+            if entry is not None and entry.finished:
+                del self._requests[out.request_id]
 
     def abort_all_after_failure(self) -> list[str]:
         """After a step raised: finish every live request without an output (the caller reports
         the error to each), free their blocks, and forget every prefix-cache entry (blocks
         registered in the failed step may hold K/V that was never written). Raises if the block
         pool is not whole again, i.e. the engine cannot be trusted to go on. Returns the request ids."""
-        request_ids = list(self._samples_of)
-        for sample_ids in self._samples_of.values():
-            for sample_id in sample_ids:
-                self.scheduler.finish_request(sample_id, RequestStatus.FINISHED_ABORTED)
-            self.structured_output.forget(sample_ids)
-        self._samples_of.clear()
-        self.output_processor.samples.clear()
+        request_ids = list(self._requests)
+        for entry in self._requests.values():
+            for sample in entry.samples:
+                self.scheduler.finish_request(sample, RequestStatus.FINISHED_ABORTED)
+            self.structured_output.forget([sample.seq_id for sample in entry.samples])
+        self._requests.clear()
         self.deadlines.clear()
         if self.scheduler.requests or self.scheduler.waiting or self.scheduler.running:
             raise RuntimeError("requests are still scheduled after aborting every request")
         self.kv_cache_manager.reset_prefix_cache()
         self.kv_cache_manager.check_invariants()
-        if self.kv_cache_manager.pool.num_used_blocks:
-            raise RuntimeError(f"{self.kv_cache_manager.pool.num_used_blocks} KV blocks still in use "
+        if self.kv_cache_manager.num_used_blocks:
+            raise RuntimeError(f"{self.kv_cache_manager.num_used_blocks} KV blocks still in use "
                                "after aborting every request")
         self.metrics.observe_step_failure()
         self._publish_metrics()
         return request_ids
 
-    def _finish_by_grammar(self, grammar: StructuredStep, updates: list[tuple[Request, int]]) -> None:
+    def _finish_by_grammar(self, grammar: StructuredStep, updates: list[StepUpdate]) -> None:
         """A grammar that accepted its stop token is complete: the request stops there, even where
         the scheduler would go on (ignore_eos, a second EOS id)."""
         for request, _token in updates:
-            if request.request_id in grammar.terminated and not request.status.finished:
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            if request.seq_id in grammar.terminated:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
 
     def _publish_metrics(self) -> None:
         self.metrics.update_from_scheduler(self.scheduler.stats)

@@ -12,10 +12,9 @@ import torch
 from pagedserve.core.forward_batch import ForwardBatch
 from pagedserve.core.kv_cache.cache_tensors import KVCacheSpec, allocate_kv_caches
 from pagedserve.core.models.llama import LlamaDecoder
-from pagedserve.core.output_processor import RunnerOutput
 from pagedserve.core.outputs import TokenLogprobs
 from pagedserve.core.sampler import Sampler, compute_logprobs
-from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagedserve.core.step_types import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.core.structured_output.manager import GrammarBitmask
 
 
@@ -86,7 +85,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, grammar: GrammarBitmask | None = None) -> RunnerOutput:
         """Run one step: sampled tokens, their logprobs, and prompt logprobs where asked.
         grammar: the structured-output token masks of this step's constrained requests."""
-        self.sampler.forget(out.finished_request_ids)
+        self.sampler.forget(out.finished_seq_ids)
         if out.is_empty:
             return RunnerOutput({}, {}, {})
         batch = self.prepare(out)
@@ -96,7 +95,7 @@ class ModelRunner:
         for r in out.requests:
             n_rows = self._num_logits_rows(r)
             if self._wants_prompt_logprobs(r):
-                prompt_logprobs[r.request_id] = self._prompt_logprobs(r, logits[row : row + n_rows])
+                prompt_logprobs[r.seq_id] = self._prompt_logprobs(r, logits[row : row + n_rows])
             if r.sample:
                 sample_rows.append(row + n_rows - 1)
                 sampling.append(r)
@@ -105,14 +104,14 @@ class ModelRunner:
             return RunnerOutput({}, {}, prompt_logprobs)
         sample_logits = logits[torch.tensor(sample_rows, device=logits.device)]
         if grammar is not None:  # before the sampler: sampling and logprobs see the masked logits (as vLLM)
-            grammar.apply(sample_logits, [r.request_id for r in sampling])
+            grammar.apply(sample_logits, [r.seq_id for r in sampling])
         result = self.sampler(
-            sample_logits, [r.request_id for r in sampling], [r.sampling_params for r in sampling],
+            sample_logits, [r.seq_id for r in sampling], [r.sampling_params for r in sampling],
             [r.output_token_ids for r in sampling], [r.prompt_token_ids for r in sampling],
             [r.eos_token_id for r in sampling],
         )
-        sampled = {r.request_id: t for r, t in zip(sampling, result.token_ids)}
-        logprobs = {r.request_id: lp for r, lp in zip(sampling, result.logprobs) if lp is not None}
+        sampled = {r.seq_id: t for r, t in zip(sampling, result.token_ids)}
+        logprobs = {r.seq_id: lp for r, lp in zip(sampling, result.logprobs) if lp is not None}
         return RunnerOutput(sampled, logprobs, prompt_logprobs)
 
     @staticmethod

@@ -15,7 +15,7 @@ default), so they can be compared with transformers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -110,40 +110,56 @@ def apply_min_p(logits: Tensor, min_p: Sequence[float]) -> Tensor:
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
+@dataclass(slots=True, eq=False)
+class _SampleCache:
+    """What the sampler keeps across steps for one sample (only samples that need it have one)."""
+
+    generator: torch.Generator | None = None
+    """Its seeded generator (seeded samples): draws continue where the last step stopped."""
+    prompt_ids: Tensor | None = None
+    """Its prompt ids on the device (repetition penalty): a long prompt is not rebuilt from a Python
+    list at every step."""
+
+
 class Sampler:
     def __init__(self) -> None:
-        self._generators: dict[str, torch.Generator] = {}
-        # Prompt ids of requests with a repetition penalty, kept on the device so a long prompt is
-        # not rebuilt from a Python list at every step.
-        self._prompt_ids: dict[str, Tensor] = {}
+        self._cache: dict[Hashable, _SampleCache] = {}
+        """seq_id -> the sample's cache; dropped by `forget` when the scheduler reports it finished."""
 
-    def forget(self, request_ids: Sequence[str]) -> None:
-        for request_id in request_ids:
-            self._generators.pop(request_id, None)
-            self._prompt_ids.pop(request_id, None)
+    def forget(self, seq_ids: Sequence[Hashable]) -> None:
+        for seq_id in seq_ids:
+            self._cache.pop(seq_id, None)
 
-    def _generator(self, request_id: str, seed: int) -> torch.Generator:
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = self._generators[request_id] = torch.Generator().manual_seed(seed)
-        return gen
+    def _entry(self, seq_id: Hashable) -> _SampleCache:
+        entry = self._cache.get(seq_id)
+        if entry is None:
+            entry = self._cache[seq_id] = _SampleCache()
+        return entry
 
-    def _prompt(self, request_id: str, prompt_token_ids: Sequence[int], device: torch.device) -> Tensor:
-        ids = self._prompt_ids.get(request_id)
+    def _generator(self, seq_id: Hashable, seed: int) -> torch.Generator:
+        entry = self._entry(seq_id)
+        if entry.generator is None:
+            entry.generator = torch.Generator().manual_seed(seed)
+        return entry.generator
+
+    def _prompt(self, seq_id: Hashable, prompt_token_ids: Sequence[int], device: torch.device) -> Tensor:
+        entry = self._entry(seq_id)
+        ids = entry.prompt_ids
         if ids is None or ids.numel() != len(prompt_token_ids):
             ids = torch.from_numpy(np.fromiter(prompt_token_ids, np.int64, len(prompt_token_ids)))
-            ids = self._prompt_ids[request_id] = ids.to(device)
+            ids = entry.prompt_ids = ids.to(device)
         return ids
 
-    def __call__(self, logits: Tensor, request_ids: list[str], params: list[SamplingParams],
+    def __call__(self, logits: Tensor, seq_ids: Sequence[Hashable], params: list[SamplingParams],
                  output_token_ids: list[Sequence[int]], prompt_token_ids: list[Sequence[int]],
                  eos_token_ids: list[int | None]) -> SamplerOutput:
         """logits [num_sampled, vocab] (any float dtype) -> one token per row (+ logprobs if asked).
 
+        seq_ids: each row's sample (keys the seeded generators and cached prompts);
         output_token_ids / prompt_token_ids: each row's tokens so far (penalties, min_tokens);
         eos_token_ids: each row's EOS id (None: the model has none)."""
         num_rows, vocab = logits.shape
-        lengths = {len(request_ids), len(params), len(output_token_ids), len(prompt_token_ids), len(eos_token_ids)}
+        lengths = {len(seq_ids), len(params), len(output_token_ids), len(prompt_token_ids), len(eos_token_ids)}
         if lengths != {num_rows}:
             raise ValueError(f"Sampler: {num_rows} logits rows but per-row lists of lengths {sorted(lengths)}")
         device = logits.device
@@ -155,7 +171,7 @@ class Sampler:
             rows = torch.tensor(penalised, device=device)
             sub = apply_penalties(
                 logits[rows], [params[i] for i in penalised], [output_token_ids[i] for i in penalised],
-                [self._prompt(request_ids[i], prompt_token_ids[i], device) if params[i].repetition_penalty != 1.0
+                [self._prompt(seq_ids[i], prompt_token_ids[i], device) if params[i].repetition_penalty != 1.0
                  else torch.empty(0, dtype=torch.long, device=device) for i in penalised])
             logits = logits.index_put((rows,), sub)
 
@@ -177,12 +193,12 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=device)
-            tokens[rows] = self._sample(logits[rows], [request_ids[i] for i in random_rows],
+            tokens[rows] = self._sample(logits[rows], [seq_ids[i] for i in random_rows],
                                         [params[i] for i in random_rows])
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, _logprobs(raw, token_ids, params))
 
-    def _sample(self, logits: Tensor, request_ids: list[str], params: list[SamplingParams]) -> Tensor:
+    def _sample(self, logits: Tensor, seq_ids: list[Hashable], params: list[SamplingParams]) -> Tensor:
         """One draw per row from the processed distribution of fp32 logits [rows, vocab]."""
         device = logits.device
         temps = torch.tensor([p.temperature for p in params], device=device)
@@ -201,7 +217,7 @@ class Sampler:
             if p.seed is None:
                 unseeded.append(j)
             else:  # CPU generator: the draw does not depend on the device the engine runs on
-                noise[j] = torch.empty(probs.shape[1]).exponential_(generator=self._generator(request_ids[j], p.seed))
+                noise[j] = torch.empty(probs.shape[1]).exponential_(generator=self._generator(seq_ids[j], p.seed))
         if unseeded:
             idx = torch.tensor(unseeded, device=device)
             noise[idx] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_()

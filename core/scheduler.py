@@ -16,50 +16,16 @@ from dataclasses import dataclass
 from pagedserve.core.config import SchedulerConfig
 from pagedserve.core.kv_cache.manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.core.scheduling_policy import Admission, make_policy
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    """One request's share of an iteration; self-contained so the runner needs nothing else."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    """The tokens to compute this step: positions [start_position, start_position + len)."""
-    start_position: int
-    block_ids: tuple[int, ...]
-    sample: bool
-    """True when this step reaches the request's last known token, so a new token is sampled."""
-    sampling_params: SamplingParams
-    prompt_token_ids: tuple[int, ...]
-    output_token_ids: tuple[int, ...]
-    """Tokens generated so far (for penalties); empty until the first sample."""
-    eos_token_id: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerOutput:
-    requests: tuple[ScheduledRequest, ...]
-    num_batched_tokens: int
-    preempted_request_ids: tuple[str, ...]
-    finished_request_ids: tuple[str, ...] = ()
-    """Requests that finished or were aborted since the previous step (the runner drops their state)."""
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests
+from pagedserve.core.step_types import ScheduledRequest, SchedulerOutput, StepUpdate
 
 
 @dataclass(slots=True)
 class SchedulerStats:
     num_running: int = 0
     num_waiting: int = 0
-    num_kv_blocks_used: int = 0
-    num_kv_blocks_free: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions_total: int = 0
-    num_scheduled_tokens_last_step: int = 0
     num_prompt_tokens_total: int = 0
     """Prompt tokens of requests that reached their first output token (each prompt counted once)."""
     num_computed_prompt_tokens_total: int = 0
@@ -81,23 +47,24 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
-        self._finished_since_last_step: list[str] = []
+        self.requests: dict[int, Request] = {}
+        """seq_id -> live sample: maps a step's seq_ids back to their samples (the samples
+        themselves belong to the engine's EngineRequest, core/request.py)."""
+        self._finished_since_last_step: list[int] = []
         self.stats = SchedulerStats()
         self.policy = make_policy(config.scheduling_policy, config.scheduling_age_bound_s)
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        self.requests[request.request_id] = request
+        self.requests[request.seq_id] = request
         self.waiting.append(request)
 
-    def finish_request(self, request_id: str, status: RequestStatus,
-                       stop_reason: str | int | None = None) -> Request | None:
-        """Finish a live request from outside (abort, stop string) and free its blocks at once.
-        Returns the request, or None if it is not live."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return None
+    def finish_request(self, request: Request, status: RequestStatus,
+                       stop_reason: str | int | None = None) -> bool:
+        """Finish a live sample from outside (abort, timeout, stop string, grammar) and free its
+        blocks at once. Returns False, changing nothing, if it had already finished."""
+        if self.requests.get(request.seq_id) is not request:
+            return False
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -105,7 +72,7 @@ class Scheduler:
         request.stop_reason = stop_reason
         self._finish(request, status)
         self._refresh_stats()
-        return request
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -113,7 +80,8 @@ class Scheduler:
     # -- one iteration -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        num_new: dict[str, int] = {}
+        num_new: dict[int, int] = {}
+        """seq_id -> tokens scheduled this step."""
         preempted: list[Request] = []
 
         # 1. Running requests first, in admission order, so decodes never wait behind prefills.
@@ -125,11 +93,11 @@ class Scheduler:
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
                 preempted.append(victim)
-                num_new.pop(victim.request_id, None)
+                num_new.pop(victim.seq_id, None)
                 if victim is request:
                     break
             else:
-                num_new[request.request_id] = n
+                num_new[request.seq_id] = n
                 budget -= n
                 i += 1
                 continue
@@ -166,17 +134,16 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_hit_tokens
             self.running.append(request)
-            num_new[request.request_id] = n
+            num_new[request.seq_id] = n
             budget -= n
         self.waiting.extendleft(reversed(skipped))
 
-        scheduled = tuple(self._scheduled(r, num_new[r.request_id]) for r in self.running if r.request_id in num_new)
+        scheduled = tuple(self._scheduled(r, num_new[r.seq_id]) for r in self.running if r.seq_id in num_new)
         total = sum(num_new.values())
-        self.stats.num_scheduled_tokens_last_step = total
         self.stats.num_steps_total += 1
         finished, self._finished_since_last_step = tuple(self._finished_since_last_step), []
         self._refresh_stats()
-        return SchedulerOutput(scheduled, total, tuple(r.request_id for r in preempted), finished)
+        return SchedulerOutput(scheduled, total, tuple(r.seq_id for r in preempted), finished)
 
     @staticmethod
     def _waits_for_leader(request: Request) -> bool:
@@ -204,10 +171,10 @@ class Scheduler:
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         return ScheduledRequest(
-            request_id=request.request_id,
+            seq_id=request.seq_id,
             token_ids=tuple(request.token_ids_slice(start, start + n)),
             start_position=start,
-            block_ids=tuple(self.kv.get_block_ids(request.request_id)),
+            block_ids=tuple(self.kv.get_block_ids(request)),
             sample=start + n == request.num_tokens,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
@@ -224,23 +191,22 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # -- after the forward pass ----------------------------------------------------------------
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled: dict[str, int]
-    ) -> list[tuple[Request, int]]:
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[int, int]) -> list[StepUpdate]:
         """Advance computed tokens, append sampled tokens, apply token-level stop rules (EOS, stop
-        token ids, length), free finished requests. Returns (request, new token) per sample.
-        A request that sampled but is missing from `sampled` gets no token (structured output
-        found no allowed one; the engine finishes it)."""
-        outputs = []
+        token ids, length), free finished samples. Returns (sample, new token or None) for every
+        scheduled sample, in batch order. A sample that sampled but is missing from `sampled` gets
+        no token (structured output found no allowed one; the engine finishes it)."""
+        outputs: list[StepUpdate] = []
         for sched in scheduler_output.requests:
-            request = self.requests[sched.request_id]
+            request = self.requests[sched.seq_id]
             n = len(sched.token_ids)
             self.stats.num_computed_prompt_tokens_total += max(
                 0, min(request.num_prompt_tokens, sched.start_position + n) - sched.start_position
             )
             request.num_computed_tokens += n
-            token = sampled.get(sched.request_id) if sched.sample else None
+            token = sampled.get(sched.seq_id) if sched.sample else None
             if token is None:
+                outputs.append((request, None))
                 continue
             if request.num_output_tokens == 0:
                 self.stats.num_prompt_tokens_total += request.num_prompt_tokens
@@ -270,16 +236,15 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         self.kv.forget(request)
-        del self.requests[request.request_id]
-        self._finished_since_last_step.append(request.request_id)
+        del self.requests[request.seq_id]
+        self._finished_since_last_step.append(request.seq_id)
 
     def _refresh_stats(self) -> None:
         s = self.stats
         s.num_running = len(self.running)
         s.num_waiting = len(self.waiting)
-        s.num_kv_blocks_used = self.kv.pool.num_used_blocks
-        s.num_kv_blocks_free = self.kv.pool.num_free_blocks
-        s.kv_cache_usage = self.kv.usage
-        s.prefix_cache_queries_total = self.kv.prefix_stats.queries
-        s.prefix_cache_hits_total = self.kv.prefix_stats.hits
-        s.num_evicted_blocks_total = self.kv.pool.num_evicted_blocks
+        kv = self.kv
+        s.kv_cache_usage = kv.usage
+        s.prefix_cache_queries_total = kv.prefix_stats.queries
+        s.prefix_cache_hits_total = kv.prefix_stats.hits
+        s.num_evicted_blocks_total = kv.num_evicted_blocks

@@ -54,7 +54,7 @@ class FcfsPolicy:
         pass
 
     def admit(self, scheduler: "Scheduler", request: Request, hits: list[KVBlock],
-              num_new: dict[str, int]) -> Admission:
+              num_new: dict[int, int]) -> Admission:
         return Admission.ADMIT
 
 
@@ -66,23 +66,12 @@ class PrefixPolicy:
     def __init__(self, age_bound_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.age_bound_s = age_bound_s
         self.clock = clock
-        self._seq: dict[str, int] = {}
-        """request_id -> arrival sequence number: a stable tie-break that survives reordering."""
-        self._next_seq = 0
 
     def is_aged(self, request: Request, now: float) -> bool:
         return now - request.arrival_time > self.age_bound_s
 
-    def _arrival_seq(self, request: Request) -> int:
-        seq = self._seq.get(request.request_id)
-        if seq is None:
-            seq = self._seq[request.request_id] = self._next_seq
-            self._next_seq += 1
-        return seq
-
     def order(self, scheduler: "Scheduler") -> None:
         if len(scheduler.waiting) < 2:
-            self._forget_finished(scheduler)
             return
         now = self.clock()
         kv = scheduler.kv
@@ -90,7 +79,7 @@ class PrefixPolicy:
         group_rank: dict[bytes | None, int] = {}
         keyed = []
         for request in scheduler.waiting:
-            seq = self._arrival_seq(request)
+            seq = request.seq_id  # arrival order: a stable tie-break that survives reordering
             if request.status == RequestStatus.PREEMPTED:
                 key = (0, seq)  # it already produced tokens: resume it first, as fcfs does
             elif self.is_aged(request, now):
@@ -99,7 +88,7 @@ class PrefixPolicy:
                 hashes = kv.prefix_hashes(request)
                 shared = 0
                 for h in hashes:
-                    if h not in pending and kv.pool.get_cached_block(h) is None:
+                    if h not in pending and kv.cached_block(h) is None:
                         break
                     shared += 1
                 group = hashes[0] if hashes else None
@@ -109,18 +98,13 @@ class PrefixPolicy:
         keyed.sort(key=lambda kr: kr[0])
         scheduler.waiting.clear()
         scheduler.waiting.extend(r for _, r in keyed)
-        self._forget_finished(scheduler)
 
     def _within(self, group_rank: int, request: Request, num_shared_tokens: int) -> tuple:
         """Order among requests sharing equally long prefixes: by prefix group."""
         return (group_rank,)
 
-    def _forget_finished(self, scheduler: "Scheduler") -> None:
-        if len(self._seq) > 2 * len(scheduler.requests) + 64:
-            self._seq = {k: v for k, v in self._seq.items() if k in scheduler.requests}
-
     def admit(self, scheduler: "Scheduler", request: Request, hits: list[KVBlock],
-              num_new: dict[str, int]) -> Admission:
+              num_new: dict[int, int]) -> Admission:
         if self.is_aged(request, self.clock()):
             return Admission.ADMIT
         if self._prefix_is_pending(scheduler, request, len(hits), num_new):
@@ -129,7 +113,7 @@ class PrefixPolicy:
 
     @staticmethod
     def _prefix_is_pending(scheduler: "Scheduler", request: Request, num_hit_blocks: int,
-                           num_new: dict[str, int]) -> bool:
+                           num_new: dict[int, int]) -> bool:
         """Whether a running request is still prefilling blocks this request would otherwise
         compute itself: waiting one step turns them into prefix hits."""
         if request.num_computed_tokens or request.prompt_leader is not None:
@@ -141,7 +125,7 @@ class PrefixPolicy:
             return False
         next_hash = hashes[num_hit_blocks]
         for other in scheduler.running:
-            done_after_step = (other.num_computed_tokens + num_new.get(other.request_id, 0)) // kv.block_size
+            done_after_step = (other.num_computed_tokens + num_new.get(other.seq_id, 0)) // kv.block_size
             other_hashes = kv.prefix_hashes(other)
             if (len(other_hashes) > num_hit_blocks >= done_after_step
                     and other_hashes[num_hit_blocks] == next_hash):
@@ -169,10 +153,10 @@ class ThroughputPolicy(PrefixPolicy):
         # Blocks held now plus what running requests still add before reaching max_tokens.
         growth = sum(max(cdiv(r.num_prompt_tokens + r.max_tokens, kv.block_size) - kv.num_held_blocks(r), 0)
                      for r in scheduler.running)
-        self._projected_blocks = kv.pool.num_used_blocks + growth
+        self._projected_blocks = kv.num_used_blocks + growth
 
     def admit(self, scheduler: "Scheduler", request: Request, hits: list[KVBlock],
-              num_new: dict[str, int]) -> Admission:
+              num_new: dict[int, int]) -> Admission:
         decision = super().admit(scheduler, request, hits, num_new)
         if decision is not Admission.ADMIT:
             return decision

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import torch
 
-# Largest code magnitude. int8 is symmetric (-128 is never produced), fp8 use their finite maxima.
-QUANT_MAX: dict[torch.dtype, float] = {
-    torch.int8: 127.0,
-    torch.float8_e4m3fn: 448.0,
-    torch.float8_e5m2: 57344.0,
-}
-FLOAT_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from pagedserve.kernels.kv_dtypes import KV_CACHE_DTYPES
+
+# The dtype sets of kv_dtypes.KV_CACHE_DTYPES, by torch dtype.
+QUANT_MAX: dict[torch.dtype, float] = {d.torch_dtype: d.qmax for d in KV_CACHE_DTYPES.values() if d.quantized}
+"""Largest code magnitude of each quantized cache dtype."""
+FLOAT_CACHE_DTYPES = tuple(d.torch_dtype for d in KV_CACHE_DTYPES.values() if not d.quantized)
+FP8_DTYPES = tuple(d.torch_dtype for d in KV_CACHE_DTYPES.values() if d.fp8)
 # Floor of a dynamic scale: an all-zero row (amax 0) must not divide by zero.
 MIN_SCALE = 1e-12
 DYNAMIC_SCALE_DTYPE = torch.bfloat16

@@ -67,7 +67,7 @@ def test_fifty_concurrent_streams_with_cancellations(engine_config):
     _wait_idle(engine)
     kv = engine._engine.kv_cache_manager
     kv.check_invariants()
-    assert kv.pool.num_free_blocks == engine._engine.num_kv_blocks
+    assert kv.num_free_blocks == engine._engine.num_kv_blocks
     m = engine.metrics
     assert m.num_requests_running == 0 and m.kv_cache_usage_perc == 0.0
     assert m.request_success_total.get("length") == 40 and m.request_success_total.get("abort") == 10
@@ -98,7 +98,7 @@ def test_abort_from_outside_ends_stream_and_frees_blocks(engine_config):
     outs = asyncio.run(main())
     assert outs[-1].finished and outs[-1].finish_reason == "abort"
     _wait_idle(engine)
-    assert engine._engine.kv_cache_manager.pool.num_free_blocks == engine._engine.num_kv_blocks
+    assert engine._engine.kv_cache_manager.num_free_blocks == engine._engine.num_kv_blocks
     engine.shutdown()
 
 
@@ -187,7 +187,7 @@ def test_step_failure_ends_every_stream_and_the_engine_recovers(engine_config):
     assert engine.metrics.engine_step_failures_total == 1
     _wait_idle(engine)
     engine._engine.kv_cache_manager.check_invariants()
-    assert engine._engine.kv_cache_manager.pool.num_free_blocks == engine._engine.num_kv_blocks
+    assert engine._engine.kv_cache_manager.num_free_blocks == engine._engine.num_kv_blocks
     engine.shutdown()
 
 
@@ -304,7 +304,7 @@ def test_deadlines_end_requests_with_timeout_and_free_their_blocks(engine_config
     assert waiting[2].finish_reason == "timeout" and waiting[0] == []
     assert own[2].finish_reason == "length" and len(own[0]) == 20
     _wait_idle(engine)
-    assert engine._engine.kv_cache_manager.pool.num_free_blocks == engine._engine.num_kv_blocks
+    assert engine._engine.kv_cache_manager.num_free_blocks == engine._engine.num_kv_blocks
     assert engine.metrics.request_success_total == {"timeout": 2, "length": 1}
     engine.shutdown()
 

@@ -26,7 +26,7 @@ def random_prompts(n: int, low: int, high: int, seed: int) -> list[list[int]]:
 def assert_all_free(engine: LLMEngine) -> None:
     engine.kv_cache_manager.check_invariants()
     assert not engine.has_unfinished_requests()
-    assert engine.kv_cache_manager.pool.num_free_blocks == engine.num_kv_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
 
 
 def run_staggered(engine: LLMEngine, prompts, max_tokens: list[int], arrivals: list[int]) -> dict[str, list[int]]:
@@ -114,10 +114,10 @@ def test_abort_frees_blocks_at_once(tiny_model_dir):
         engine.add_request(f"a{i}", p, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    used = engine.kv_cache_manager.pool.num_used_blocks
+    used = engine.kv_cache_manager.num_used_blocks
     (out,) = engine.abort_request("a1")
     assert out.finished and out.finish_reason == "abort" and out.request_id == "a1"
-    assert engine.kv_cache_manager.pool.num_used_blocks < used
+    assert engine.kv_cache_manager.num_used_blocks < used
     engine.kv_cache_manager.check_invariants()
     assert engine.abort_request("a1") == []
     while engine.has_unfinished_requests():

@@ -45,10 +45,10 @@ def test_allocate_grows_by_whole_blocks_and_frees_everything():
     assert kv.allocate_slots(r, 1) == []  # token 10 still fits in block 3
     r.num_computed_tokens = 12
     assert len(kv.allocate_slots(r, 1)) == 1  # token 13 needs block 4
-    assert kv.pool.num_used_blocks == 4
+    assert kv.num_used_blocks == 4
     kv.check_invariants()
     kv.free(r)
-    assert kv.pool.num_free_blocks == 10
+    assert kv.num_free_blocks == 10
     kv.check_invariants()
 
 
@@ -57,8 +57,8 @@ def test_allocation_failure_has_no_side_effects():
     a, b = req("a", 12), req("b", 8)
     assert kv.allocate_slots(a, 12) is not None
     assert kv.allocate_slots(b, 8) is None
-    assert kv.pool.num_free_blocks == 1
-    assert kv.get_block_ids("b") == []
+    assert kv.num_free_blocks == 1
+    assert kv.get_block_ids(b) == []
     kv.check_invariants()
 
 

@@ -74,7 +74,7 @@ def greedy(n: int) -> SamplingParams:
 def assert_all_free(engine: LLMEngine) -> None:
     engine.kv_cache_manager.check_invariants()
     assert not engine.has_unfinished_requests()
-    assert engine.kv_cache_manager.pool.num_free_blocks == engine.num_kv_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
 
 
 def run_one(engine: LLMEngine, rid: str, prompt: list[int], n: int, **kw) -> tuple[list[int], dict[str, int]]:
@@ -101,18 +101,20 @@ class HeldBlockWatch:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.kv = engine.kv_cache_manager
-        self.seen: dict[tuple[str, int], bytes] = {}
+        self.scheduler = engine.scheduler
+        self.seen: dict[tuple[int, int], bytes] = {}
 
     def check(self) -> None:
         self.kv.check_invariants()
-        live = self.kv.req_to_blocks
+        live = {seq_id: self.kv.get_blocks(r) for seq_id, r in self.scheduler.requests.items()}
+        live = {seq_id: blocks for seq_id, blocks in live.items() if blocks}
         self.seen = {k: h for k, h in self.seen.items() if k[0] in live}  # preempted or finished
-        for rid, blocks in live.items():
+        for seq_id, blocks in live.items():
             for b in blocks:
                 assert b.ref_cnt >= 1
-                key = (rid, b.block_id)
+                key = (seq_id, b.block_id)
                 if key in self.seen:
-                    assert b.block_hash == self.seen[key], f"block {b.block_id} of {rid} evicted while held"
+                    assert b.block_hash == self.seen[key], f"block {b.block_id} of {seq_id} evicted while held"
                 elif b.block_hash is not None:
                     self.seen[key] = b.block_hash
 
@@ -161,15 +163,15 @@ def test_longest_cached_run_is_reused_exactly(prompt, expected_hit):
     a = req("a", A)
     assert admit(kv, a) == 0
     finish(kv, a)
-    a_blocks = [kv.pool.get_cached_block(h) for h in hashes_of(A, 4)]
+    a_blocks = [kv.cached_block(h) for h in hashes_of(A, 4)]
     b = req("b", prompt)
     assert admit(kv, b) == expected_hit
     n_hit = expected_hit // 4
-    assert kv.req_to_blocks["b"][:n_hit] == a_blocks[:n_hit]  # the very same blocks, not copies
+    assert kv.get_blocks(b)[:n_hit] == a_blocks[:n_hit]  # the very same blocks, not copies
     assert kv.prefix_stats.queries == len(A) + len(prompt)
     assert kv.prefix_stats.hits == expected_hit
     finish(kv, b)
-    assert kv.pool.num_free_blocks == 16
+    assert kv.num_free_blocks == 16
 
 
 def test_running_requests_share_blocks_by_reference_count():
@@ -177,14 +179,14 @@ def test_running_requests_share_blocks_by_reference_count():
     a, b, c = req("a", A + [50]), req("b", A + [60]), req("c", A[:8] + [70])
     admit(kv, a)
     assert admit(kv, b) == 12 and admit(kv, c) == 8
-    shared = kv.req_to_blocks["a"][:3]
+    shared = kv.get_blocks(a)[:3]
     assert [blk.ref_cnt for blk in shared] == [3, 3, 2]
-    assert kv.pool.num_used_blocks == 4 + 1 + 1  # a's 4, one private tail each for b and c
+    assert kv.num_used_blocks == 4 + 1 + 1  # a's 4, one private tail each for b and c
     finish(kv, a)
     assert [blk.ref_cnt for blk in shared] == [2, 2, 1]
     finish(kv, b)
     finish(kv, c)
-    assert kv.pool.num_free_blocks == 16
+    assert kv.num_free_blocks == 16
 
 
 def test_lru_eviction_order_uncached_first_then_least_recently_freed_tail_first():
@@ -193,19 +195,19 @@ def test_lru_eviction_order_uncached_first_then_least_recently_freed_tail_first(
     b = req("b", list(range(101, 109)))  # 8 tokens: 2 full blocks
     admit(kv, a)
     admit(kv, b)
-    a_ids, b_ids = kv.get_block_ids("a"), kv.get_block_ids("b")
+    a_ids, b_ids = kv.get_block_ids(a), kv.get_block_ids(b)
     never_used = sorted(set(range(8)) - set(a_ids) - set(b_ids))
     finish(kv, a)  # A freed first: least recently used
     finish(kv, b)
-    assert kv.pool.num_evicted_blocks == 0
+    assert kv.num_evicted_blocks == 0
     c = req("c", list(range(201, 225)))  # 24 fresh tokens: 6 blocks
     admit(kv, c)
     # A's uncached tail and the never-used blocks first, then A's cached blocks tail first
-    assert kv.get_block_ids("c")[:4] == [a_ids[2], *never_used]
-    assert kv.get_block_ids("c")[4:] == [a_ids[1], a_ids[0]]
-    assert kv.pool.num_evicted_blocks == 2
-    assert all(kv.pool.get_cached_block(h) is None for h in hashes_of(a.prompt_token_ids, 4))
-    assert all(kv.pool.get_cached_block(h) is not None for h in hashes_of(b.prompt_token_ids, 4))
+    assert kv.get_block_ids(c)[:4] == [a_ids[2], *never_used]
+    assert kv.get_block_ids(c)[4:] == [a_ids[1], a_ids[0]]
+    assert kv.num_evicted_blocks == 2
+    assert all(kv.cached_block(h) is None for h in hashes_of(a.prompt_token_ids, 4))
+    assert all(kv.cached_block(h) is not None for h in hashes_of(b.prompt_token_ids, 4))
     finish(kv, c)
     assert admit(kv, req("b2", list(range(101, 109)) + [5])) == 8  # B survived eviction
 
@@ -215,39 +217,40 @@ def test_hit_on_a_free_block_revives_it_and_makes_it_most_recent():
     a, b = req("a", [1, 2, 3, 4, 5]), req("b", [11, 12, 13, 14, 15])
     admit(kv, a)
     admit(kv, b)
-    a0, b0 = kv.req_to_blocks["a"][0], kv.req_to_blocks["b"][0]
+    a0, b0 = kv.get_blocks(a)[0], kv.get_blocks(b)[0]
     a_hash, b_hash = a0.block_hash, b0.block_hash
     finish(kv, a)
     finish(kv, b)
     a2 = req("a2", [1, 2, 3, 4, 6])
-    free_before = kv.pool.num_free_blocks
+    free_before = kv.num_free_blocks
     assert admit(kv, a2) == 4
-    assert a0.ref_cnt == 1 and kv.pool.num_free_blocks == free_before - 2  # revived + one new block
+    assert a0.ref_cnt == 1 and kv.num_free_blocks == free_before - 2  # revived + one new block
     finish(kv, a2)  # A's block is now more recent than B's
-    admit(kv, req("c", list(range(200, 212))))  # 3 blocks: the 2 uncached tails, then B's block
-    assert kv.pool.get_cached_block(b_hash) is None and kv.pool.get_cached_block(a_hash) is a0
-    assert b0.block_id in kv.get_block_ids("c")
-    assert kv.pool.num_evicted_blocks == 1
+    c = req("c", list(range(200, 212)))
+    admit(kv, c)  # 3 blocks: the 2 uncached tails, then B's block
+    assert kv.cached_block(b_hash) is None and kv.cached_block(a_hash) is a0
+    assert b0.block_id in kv.get_block_ids(c)
+    assert kv.num_evicted_blocks == 1
 
 
 def test_a_block_held_by_a_running_request_is_never_evicted():
     kv = KVCacheManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
     a = req("a", A + [50])  # holds 4 blocks, 3 of them cached
     admit(kv, a)
-    held = {blk.block_id: blk.block_hash for blk in kv.req_to_blocks["a"]}
+    held = {blk.block_id: blk.block_hash for blk in kv.get_blocks(a)}
     admit_and_finish(kv, req("b", [7] * 8))
     c = req("c", list(range(300, 308)))
     admit(kv, c)  # takes the 2 free blocks (evicting b's)
-    assert kv.pool.num_free_blocks == 0 and kv.pool.num_evicted_blocks == 2
+    assert kv.num_free_blocks == 0 and kv.num_evicted_blocks == 2
     d = req("d", list(range(400, 405)))
     hits, n = kv.get_computed_blocks(d)
     assert kv.allocate_slots(d, d.num_tokens - n, hits) is None  # out of blocks: refuse, never steal
-    assert {blk.block_id: blk.block_hash for blk in kv.req_to_blocks["a"]} == held
+    assert {blk.block_id: blk.block_hash for blk in kv.get_blocks(a)} == held
     # a request sharing a's cached blocks costs no free block beyond its own tail
     finish(kv, c)
     e = req("e", A + [60])
-    assert admit(kv, e) == 12 and kv.pool.num_free_blocks == 1
-    assert {blk.block_id: blk.block_hash for blk in kv.req_to_blocks["a"]} == held
+    assert admit(kv, e) == 12 and kv.num_free_blocks == 1
+    assert {blk.block_id: blk.block_hash for blk in kv.get_blocks(a)} == held
     finish(kv, a)
     finish(kv, e)
 
@@ -259,18 +262,18 @@ def test_allocation_that_needs_revived_blocks_counts_them_and_fails_without_side
     hits, n = kv.get_computed_blocks(b)
     assert n == 8
     assert kv.allocate_slots(b, b.num_tokens - n, hits) is None
-    assert kv.pool.num_free_blocks == 4 and kv.pool.num_evicted_blocks == 0
-    assert all(kv.pool.get_cached_block(h) is not None for h in hashes_of(A, 4))
+    assert kv.num_free_blocks == 4 and kv.num_evicted_blocks == 0
+    assert all(kv.cached_block(h) is not None for h in hashes_of(A, 4))
     kv.check_invariants()
     c = req("c", A[:8] + list(range(100, 108)))  # 16 tokens: 2 hits + 2 new = exactly the pool
-    assert admit(kv, c) == 8 and kv.pool.num_free_blocks == 0
+    assert admit(kv, c) == 8 and kv.num_free_blocks == 0
 
 
 def test_different_salts_never_share_and_the_same_salt_does():
     kv = KVCacheManager(num_blocks=32, block_size=4, enable_prefix_caching=True)
     x1, y, none, x2 = req("x1", A + [1], "x"), req("y", A + [1], "y"), req("n", A + [1]), req("x2", A + [2], "x")
     assert [admit(kv, r) for r in (x1, y, none, x2)] == [0, 0, 0, 12]
-    ids = {r.request_id: set(kv.get_block_ids(r.request_id)) for r in (x1, y, none, x2)}
+    ids = {r.request_id: set(kv.get_block_ids(r)) for r in (x1, y, none, x2)}
     assert not ids["x1"] & ids["y"] and not ids["x1"] & ids["n"] and not ids["y"] & ids["n"]
     assert len(ids["x1"] & ids["x2"]) == 3
 
@@ -280,7 +283,7 @@ def test_opt_out_neither_hits_nor_publishes():
     admit(kv, req("a", A + [1]))
     b = req("b", A + [1], use=False)
     assert admit(kv, b) == 0
-    assert all(blk.block_hash is None for blk in kv.req_to_blocks["b"])
+    assert all(blk.block_hash is None for blk in kv.get_blocks(b))
     assert kv.prefix_stats.queries == 13 and kv.prefix_stats.hits == 0  # b is not a lookup
     finish(kv, b)
     q = list(range(500, 513))
@@ -292,8 +295,8 @@ def test_caching_disabled_in_config_hashes_nothing():
     kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
     admit_and_finish(kv, req("a", A))
     assert admit(kv, req("b", A + [1])) == 0
-    assert all(blk.block_hash is None for blk in kv.pool.blocks)
-    assert kv.prefix_stats.queries == 0 and kv.pool.num_evicted_blocks == 0
+    assert all(blk.block_hash is None for blk in kv._pool.blocks)
+    assert kv.prefix_stats.queries == 0 and kv.num_evicted_blocks == 0
 
 
 # -- engine, hand-computed counts ----------------------------------------------------------------------
@@ -354,9 +357,9 @@ def test_eviction_order_end_to_end(tiny_model_dir):
     run_one(engine, "b", b, 1)
     _, d = run_one(engine, "c", c, 1)
     assert d["evicted"] == 2
-    pool = engine.kv_cache_manager.pool
-    assert [pool.get_cached_block(h) is not None for h in hashes_of(a, 16)] == [True, True, False, False]
-    assert all(pool.get_cached_block(h) is not None for h in hashes_of(b, 16))
+    kv = engine.kv_cache_manager
+    assert [kv.cached_block(h) is not None for h in hashes_of(a, 16)] == [True, True, False, False]
+    assert all(kv.cached_block(h) is not None for h in hashes_of(b, 16))
     # A again: its first 2 blocks hit, the rest (overwritten by C) is recomputed into 3 new blocks
     # taken from the LRU head: B's blocks, tail first
     tokens, d = run_one(engine, "a2", a + [7], 5)
@@ -378,7 +381,7 @@ def test_salts_and_opt_out_end_to_end(tiny_model_dir):
     for out in engine.step():
         tokens[out.request_id].extend(out.new_token_ids)
     kv = engine.kv_cache_manager
-    ids = {rid: kv.get_block_ids(rid) for rid in tokens}
+    ids = {r.request_id: kv.get_block_ids(r) for r in engine.scheduler.requests.values()}
     assert ids["x1"][:3] == ids["x2"][:3] and not set(ids["y1"]) & set(ids["x1"])
     assert engine.stats.prefix_cache_hits_total == 48
     while engine.has_unfinished_requests():

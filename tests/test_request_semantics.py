@@ -36,7 +36,8 @@ def test_n_samples_share_prompt_blocks_and_prefill_once(tiny_model_dir):
     outs = []
     while engine.has_unfinished_requests():
         outs.extend(engine.step())
-        tables = [engine.kv_cache_manager.get_block_ids(f"multi\x00{i}") for i in range(4)]
+        samples = [r for r in engine.scheduler.requests.values() if r.request_id == "multi"]
+        tables = [engine.kv_cache_manager.get_block_ids(r) for r in samples]
         live = [t for t in tables if t]
         if len(live) == 4:
             common = set.intersection(*(set(t[:9]) for t in live))
@@ -49,7 +50,7 @@ def test_n_samples_share_prompt_blocks_and_prefill_once(tiny_model_dir):
     assert all(len(s) == 6 for s in samples.values())
     assert len({tuple(s) for s in samples.values()}) > 1  # different seeds per sample
     assert {o.request_id for o in outs} == {"multi"}
-    assert engine.kv_cache_manager.pool.num_free_blocks == engine.num_kv_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
 
 
 def test_n_greedy_samples_all_equal_transformers(tiny_model_dir):
@@ -124,7 +125,57 @@ def test_stop_string_finishes_and_truncates(tiny_model_dir):
     assert res.finish_reason == "stop" and res.stop_reason == stop
     assert res.text == text[: text.index(stop)]
     assert len(res.token_ids) < 30
-    assert engine.kv_cache_manager.pool.num_free_blocks == engine.num_kv_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
+
+
+def test_a_stop_string_ends_the_sample_through_the_scheduler_in_the_same_step(tiny_model_dir):
+    """The output stage reports the stop string; the sample is finished (blocks freed, request
+    gone) in the step whose output says so, and "stop" wins where the same token hits max_tokens."""
+    path = tiny_model_dir("llama")
+    engine = make_engine(path)
+    prompt = rand_prompt(12, seed=6)
+    text = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0].text
+    stop = text[6:9]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop])
+    engine.add_request("s", prompt, params)
+    (sample,) = engine.scheduler.requests.values()
+    final = None
+    while final is None:
+        final = next((o for o in engine.step() if o.finished), None)
+        if final is None:
+            assert engine.kv_cache_manager.num_used_blocks > 0
+    assert (final.finish_reason, final.stop_reason) == ("stop", stop)
+    assert sample.status.finish_reason == "stop" and sample.stop_reason == stop
+    assert engine.kv_cache_manager.num_used_blocks == 0 and not engine.is_live("s")
+    # the token that completes the stop string is also the last one max_tokens allows
+    last = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=final.num_output_tokens,
+                                                    ignore_eos=True, stop=[stop]))[0]
+    assert (last.finish_reason, last.stop_reason) == ("stop", stop)
+    assert last.text == text[: text.index(stop)]
+
+
+def test_no_per_sample_state_outlives_its_request(tiny_model_dir):
+    """Finished, stopped, aborted and timed-out samples leave nothing behind in any component."""
+    path = tiny_model_dir("llama")
+    engine = make_engine(path, block_size=4)
+    prompt = rand_prompt(20, seed=8)
+    seeded = SamplingParams(n=3, temperature=1.0, seed=3, repetition_penalty=1.2, max_tokens=6, ignore_eos=True)
+    engine.add_request("n3", prompt, seeded)
+    engine.add_request("aborted", prompt, seeded)
+    engine.add_request("timed-out", prompt, SamplingParams(max_tokens=50, ignore_eos=True), deadline=0.0)
+    outputs = engine.step() + engine.step()
+    assert engine.runner.sampler._cache  # seeded generators and cached prompts exist meanwhile
+    outputs += engine.abort_request("aborted")
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    finals = {(o.request_id, o.index): o.finish_reason for o in outputs if o.finished}
+    assert finals == {("n3", 0): "length", ("n3", 1): "length", ("n3", 2): "length", ("timed-out", 0): "timeout",
+                      ("aborted", 0): "abort", ("aborted", 1): "abort", ("aborted", 2): "abort"}
+    engine.generate([prompt], SamplingParams(max_tokens=1))  # the next step tells the runner who finished
+    assert not engine._requests and not engine.scheduler.requests
+    assert not engine.kv_cache_manager._samples and not engine.runner.sampler._cache
+    engine.kv_cache_manager.check_invariants()
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
 
 
 @pytest.mark.parametrize("params,error,needle", [

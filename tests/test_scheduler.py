@@ -24,25 +24,25 @@ def add(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 8) -> Request
 def step(s: Scheduler, token: int = 5):
     out = s.schedule()
     assert out.num_batched_tokens <= s.config.max_num_batched_tokens
-    s.update_from_output(out, {r.request_id: token for r in out.requests if r.sample})
+    s.update_from_output(out, {r.seq_id: token for r in out.requests if r.sample})
     s.kv.check_invariants()
     return out
 
 
 def test_long_prompt_is_chunked_beside_running_decodes():
     s = make(budget=16)
-    add(s, "short", 3, max_tokens=20)
+    short = add(s, "short", 3, max_tokens=20)
     step(s)  # prefill of "short", samples its first token
-    add(s, "long", 40)
+    long = add(s, "long", 40)
     chunks = []
     for _ in range(4):
         out = step(s)
-        by_id = {r.request_id: r for r in out.requests}
-        assert len(by_id["short"].token_ids) == 1 and by_id["short"].sample  # decode never stalls
-        chunks.append(len(by_id["long"].token_ids))
+        by_id = {r.seq_id: r for r in out.requests}
+        assert len(by_id[short.seq_id].token_ids) == 1 and by_id[short.seq_id].sample  # decode never stalls
+        chunks.append(len(by_id[long.seq_id].token_ids))
     assert chunks[:2] == [15, 15]  # budget 16 minus the decode
     assert sum(chunks[:3]) == 40 and chunks[2] == 10
-    assert [r.sample for r in out.requests if r.request_id == "long"] == [True]  # 4th step: long decodes
+    assert [r.sample for r in out.requests if r.seq_id == long.seq_id] == [True]  # 4th step: long decodes
 
 
 def test_positions_and_tokens_cover_the_prompt_exactly_once():
@@ -70,35 +70,36 @@ def test_preemption_takes_the_most_recently_admitted_and_recomputes():
     a = add(s, "a", 8, max_tokens=8)   # 2 blocks, grows to 4
     b = add(s, "b", 8, max_tokens=8)   # 2 blocks
     step(s)
-    assert s.stats.num_running == 2 and s.kv.pool.num_free_blocks == 2
+    assert s.stats.num_running == 2 and s.kv.num_free_blocks == 2
     for _ in range(8):
         out = step(s)
-        if out.preempted_request_ids:
+        if out.preempted_seq_ids:
             break
-    assert out.preempted_request_ids == ("b",)
+    assert out.preempted_seq_ids == (b.seq_id,)
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert s.waiting[0] is b and s.stats.num_preemptions_total == 1
     while s.has_unfinished_requests():
         out = step(s)
         for x in out.requests:
-            if x.request_id == "b" and x.start_position == 0:
+            if x.seq_id == b.seq_id and x.start_position == 0:
                 # resumed: recomputes prompt + the tokens it had generated, keeps its output
                 assert len(x.token_ids) == b.num_prompt_tokens + len(x.output_token_ids)
     assert a.output_token_ids == [5] * 8 and b.output_token_ids == [5] * 8
-    assert s.kv.pool.num_free_blocks == 6
+    assert s.kv.num_free_blocks == 6
 
 
 def test_abort_waiting_and_running():
     s = make()
-    add(s, "run", 4)
+    run = add(s, "run", 4)
     step(s)
-    add(s, "wait", 4)
+    wait = add(s, "wait", 4)
     aborted = RequestStatus.FINISHED_ABORTED
-    assert s.finish_request("wait", aborted).status.finish_reason == "abort"
-    assert s.finish_request("run", aborted).status.finished
-    assert s.finish_request("nope", aborted) is None
-    assert not s.has_unfinished_requests() and s.kv.pool.num_free_blocks == 64
-    assert set(s.schedule().finished_request_ids) == {"run", "wait"}
+    assert s.finish_request(wait, aborted) and wait.status.finish_reason == "abort"
+    assert s.finish_request(run, aborted) and run.status.finished
+    assert not s.finish_request(run, RequestStatus.FINISHED_STOPPED)  # already finished: nothing changes
+    assert run.status == aborted
+    assert not s.has_unfinished_requests() and s.kv.num_free_blocks == 64
+    assert set(s.schedule().finished_seq_ids) == {run.seq_id, wait.seq_id}
 
 
 def test_stop_token_ids_and_min_tokens():

@@ -44,11 +44,21 @@ def make(policy: str, num_blocks=64, block_size=4, budget=64, max_num_seqs=8, th
     return s
 
 
+NAMES: dict[int, str] = {}
+"""seq_id -> the request_id a test gave it (seq_ids are unique in the process)."""
+
+
+def name(scheduled) -> str:
+    """The request_id of a ScheduledRequest (it carries the sample's seq_id only)."""
+    return NAMES[scheduled.seq_id]
+
+
 def add(s: Scheduler, rid: str, prompt: list[int], max_tokens: int = 4, at: float | None = None) -> Request:
     r = Request(request_id=rid, prompt_token_ids=prompt, sampling_params=SamplingParams(ignore_eos=True),
                 eos_token_id=0, max_tokens=max_tokens)
     if at is not None:
         r.arrival_time = at
+    NAMES[r.seq_id] = rid
     s.add_request(r)
     return r
 
@@ -57,7 +67,7 @@ def step(s: Scheduler, token: int = 5):
     out = s.schedule()
     assert out.num_batched_tokens <= s.config.max_num_batched_tokens
     assert len(out.requests) <= s.config.max_num_seqs
-    s.update_from_output(out, {r.request_id: token for r in out.requests if r.sample})
+    s.update_from_output(out, {r.seq_id: token for r in out.requests if r.sample})
     s.kv.check_invariants()
     return out
 
@@ -95,18 +105,19 @@ def test_invariants_hold_on_a_random_shared_prefix_workload(policy):
         out = step(s)
         steps += 1
         assert steps < 5000
-        for rid in out.preempted_request_ids:
-            next_pos[rid] = 0
+        for seq_id in out.preempted_seq_ids:
+            next_pos[NAMES[seq_id]] = 0
         for sr in out.requests:
-            r = reqs[sr.request_id]
+            rid = name(sr)
+            r = reqs[rid]
             # a start past next_pos is a prefix hit; it must be block-aligned and inside the prompt
-            assert sr.start_position >= next_pos[sr.request_id]
-            if sr.start_position > next_pos[sr.request_id]:
+            assert sr.start_position >= next_pos[rid]
+            if sr.start_position > next_pos[rid]:
                 assert sr.start_position % 4 == 0 and sr.start_position < r.num_prompt_tokens
-            next_pos[sr.request_id] = sr.start_position + len(sr.token_ids)
+            next_pos[rid] = sr.start_position + len(sr.token_ids)
     for r in reqs.values():
         assert r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == r.max_tokens
-    assert s.kv.pool.num_used_blocks == 0
+    assert s.kv.num_used_blocks == 0
 
 
 def test_fcfs_recomputes_a_prefix_admitted_in_the_same_step_prefix_policy_does_not():
@@ -135,7 +146,7 @@ def test_prefix_policy_groups_waiting_requests_by_their_shared_prefix():
         add(s, f"a{i}", a + [9 + i], max_tokens=2)
     order = []
     for out in run_all(s):
-        order += [r.request_id for r in out.requests if r.start_position == 0 or r.request_id not in order]
+        order += [name(r) for r in out.requests if r.start_position == 0 or name(r) not in order]
     first_seen = list(dict.fromkeys(order))
     # a0 warms prefix `a`; the other a-requests (cached prefix) run before any b-request
     assert first_seen[:4] == ["a0", "a1", "a2", "a3"]
@@ -146,7 +157,7 @@ def test_throughput_policy_starts_long_decodes_first():
     s = make("throughput", budget=256, max_num_seqs=1)
     for i, max_tokens in enumerate((2, 9, 5)):
         add(s, f"r{i}", [50 + i] * 6, max_tokens=max_tokens)
-    first_seen = list(dict.fromkeys(r.request_id for out in run_all(s) for r in out.requests))
+    first_seen = list(dict.fromkeys(name(r) for out in run_all(s) for r in out.requests))
     assert first_seen == ["r1", "r2", "r0"]
 
 

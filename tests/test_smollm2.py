@@ -47,4 +47,4 @@ def test_real_prompts_match_transformers(engine):
         assert list(res.token_ids) == hf_greedy(engine.model_path, res.prompt_token_ids, 24)
     assert "Paris" in results[0].text
     engine.kv_cache_manager.check_invariants()
-    assert engine.kv_cache_manager.pool.num_free_blocks == engine.num_kv_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks

@@ -168,7 +168,8 @@ def test_grammar_state_is_replayed_when_it_falls_behind(engine):
     outputs = []
     for _ in range(8):
         outputs += engine.step()
-    state = engine.structured_output._states["replay"]
+    (sample,) = [r for r in engine.scheduler.requests.values() if r.request_id == "replay"]
+    state = engine.structured_output._states[sample.seq_id]
     state.matcher.reset()
     state.num_accepted = 0
     while engine.has_unfinished_requests():

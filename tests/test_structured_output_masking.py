@@ -44,18 +44,19 @@ def test_masked_rows_match_xgrammar_and_other_rows_are_untouched(dtype, vocab):
     assert torch.isfinite(got[positions[2]]).sum() == 1
 
 
-def test_grammar_bitmask_maps_request_ids_to_their_rows():
+def test_grammar_bitmask_maps_samples_to_their_rows():
     """The runner hands logits in batch order; the bitmask rows come in prepare()'s order, which
-    may skip requests (unsatisfiable ones): each request gets its own row's mask."""
+    may skip samples (unsatisfiable ones): each sample (seq_id) gets its own row's mask."""
     vocab = 64
     bitmask = torch.zeros(3, 2, dtype=torch.int32)
     for row, token in enumerate((3, 40, 17)):  # row r allows only this token
         bitmask[row, token // 32] = 1 << (token % 32)
     stats = StructuredOutputStats()
-    grammar = GrammarBitmask(bitmask, {"a": 0, "c": 2}, stats)  # "b"'s row 1 was dropped
+    a, b, c, free = 10, 11, 12, 99  # seq_ids
+    grammar = GrammarBitmask(bitmask, {a: 0, c: 2}, stats)  # b's row 1 was dropped
     logits = torch.randn(4, vocab)
     masked = logits.clone()
-    grammar.apply(masked, ["free", "c", "b", "a"])
+    grammar.apply(masked, [free, c, b, a])
     assert torch.equal(masked[[0, 2]], logits[[0, 2]])
     assert masked[1].argmax() == 17 and torch.isfinite(masked[1]).sum() == 1
     assert masked[3].argmax() == 3 and torch.isfinite(masked[3]).sum() == 1

@@ -22,20 +22,12 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.core.config import check_kv_cache_dtype
 from pagedserve.core.errors import ConfigError
-from pagedserve.kernels.kv_quant import DYNAMIC_SCALE_DTYPE, STATIC_SCALE_DTYPE, is_quantized
+from pagedserve.kernels.kv_dtypes import KV_CACHE_DTYPES
+from pagedserve.kernels.kv_quant import DYNAMIC_SCALE_DTYPE, FP8_DTYPES, STATIC_SCALE_DTYPE, is_quantized
 
 logger = logging.getLogger(__name__)
-
-KV_CACHE_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "int8": torch.int8,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass(slots=True)
@@ -84,30 +76,21 @@ class KVCacheSpec:
         return self.num_layers * 2 * per_tensor
 
     def num_blocks(self, budget_bytes: int) -> int:
+        """Whole blocks (scales included) that fit budget_bytes."""
         return budget_bytes // self.bytes_per_block
-
-    def describe(self) -> str:
-        name = str(self.dtype).removeprefix("torch.")
-        if not self.quantized:
-            return name
-        return f"{name} ({'per-token dynamic' if self.dynamic_scales else 'static per-tensor'} scales)"
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """kv_cache_dtype from the config -> storage dtype ("auto": the model dtype)."""
-    if name == "auto":
-        return model_dtype
-    if name not in KV_CACHE_TORCH_DTYPES:
-        raise ConfigError(
-            f"kv_cache_dtype={name!r} is not supported; use auto or one of {sorted(KV_CACHE_TORCH_DTYPES)}")
-    return KV_CACHE_TORCH_DTYPES[name]
+    check_kv_cache_dtype(name)
+    return model_dtype if name == "auto" else KV_CACHE_DTYPES[name].torch_dtype
 
 
 def make_kv_cache_spec(kv_cache_dtype: str, model_dtype: torch.dtype, num_layers: int, block_size: int,
                        num_kv_heads: int, head_dim: int, model_path: Path | None = None) -> KVCacheSpec:
     """The engine's spec: static scales come from the checkpoint for fp8 caches when it has them."""
     dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype)
-    static = load_static_kv_scales(model_path, num_layers) if dtype in _FP8 and model_path is not None else None
+    static = load_static_kv_scales(model_path, num_layers) if dtype in FP8_DTYPES and model_path is not None else None
     if static is not None:
         logger.info("KV cache %s: using the checkpoint's static per-tensor k/v scales", kv_cache_dtype)
     return KVCacheSpec(num_layers, block_size, num_kv_heads, head_dim, dtype, static)

@@ -50,10 +50,6 @@ class StructuredOutputStats:
     accept_s: float = 0.0
     """Advancing the grammars by the sampled tokens."""
 
-    @property
-    def total_s(self) -> float:
-        return self.fill_s + self.apply_s + self.accept_s
-
 
 @dataclass(slots=True, eq=False)
 class _GrammarState:
@@ -68,18 +64,18 @@ class GrammarBitmask:
 
     bitmask: Tensor
     """int32 [rows, ceil(vocab / 32)] on the CPU; bit j of a row set = token j allowed."""
-    rows: dict[str, int]
-    """request_id -> its row in `bitmask`."""
+    rows: dict[int, int]
+    """seq_id -> its row in `bitmask`."""
     stats: StructuredOutputStats
 
-    def apply(self, logits: Tensor, request_ids: Sequence[str]) -> None:
-        """Set the disallowed tokens of every constrained row of logits [len(request_ids), vocab]
-        to -inf, in place (masking.py: one vectorized op). Rows of unconstrained requests are not
+    def apply(self, logits: Tensor, seq_ids: Sequence[int]) -> None:
+        """Set the disallowed tokens of every constrained row of logits [len(seq_ids), vocab]
+        to -inf, in place (masking.py: one vectorized op). Rows of unconstrained samples are not
         touched."""
         t0 = time.perf_counter()
         positions, mask_rows = [], []
-        for i, request_id in enumerate(request_ids):
-            row = self.rows.get(request_id)
+        for i, seq_id in enumerate(seq_ids):
+            row = self.rows.get(seq_id)
             if row is not None:
                 positions.append(i)
                 mask_rows.append(row)
@@ -94,61 +90,59 @@ class StructuredStep:
     """What structured output did in one step (a per-step record, filled by prepare and accept)."""
 
     bitmask: GrammarBitmask | None
-    unsatisfiable: set[str] = field(default_factory=set)
-    """Requests no token can continue: they get no token and finish as "unsatisfiable"."""
-    terminated: set[str] = field(default_factory=set)
-    """Requests whose grammar accepted its stop token this step: they finish as "stop"."""
+    unsatisfiable: set[int] = field(default_factory=set)
+    """Samples (seq_ids) no token can continue: they get no token and finish as "unsatisfiable"."""
+    terminated: set[int] = field(default_factory=set)
+    """Samples (seq_ids) whose grammar accepted its stop token this step: they finish as "stop"."""
 
 
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids)
         self.vocab_size = vocab_size
-        self._states: dict[str, _GrammarState] = {}
+        self._states: dict[int, _GrammarState] = {}
+        """seq_id -> the sample's grammar matcher; dropped when the scheduler reports it finished."""
         self._bitmask: Tensor | None = None
         self.stats = StructuredOutputStats()
 
     # -- requests in and out (engine thread) -----------------------------------------------------
-    def add(self, request_id: str, compiled_grammar: Any) -> None:
+    def add(self, seq_id: int, compiled_grammar: Any) -> None:
         """Start the grammar state of one sample from its compiled grammar (compiler.submit)."""
         import xgrammar as xgr
 
-        self._states[request_id] = _GrammarState(xgr.GrammarMatcher(compiled_grammar))
+        self._states[seq_id] = _GrammarState(xgr.GrammarMatcher(compiled_grammar))
 
-    def forget(self, request_ids: Sequence[str]) -> None:
-        for request_id in request_ids:
-            self._states.pop(request_id, None)
-
-    def has_grammar(self, request_id: str) -> bool:
-        return request_id in self._states
+    def forget(self, seq_ids: Sequence[int]) -> None:
+        for seq_id in seq_ids:
+            self._states.pop(seq_id, None)
 
     # -- one step ------------------------------------------------------------------------------
     def prepare(self, scheduler_output: Any) -> StructuredStep | None:
         """The bitmask rows of the constrained requests that sample this step, or None if none does.
-        scheduler_output: a SchedulerOutput (its requests' request_id, sample, output_token_ids,
-        sampling_params, eos_token_id are read; finished_request_ids drop their states)."""
+        scheduler_output: a SchedulerOutput (its requests' seq_id, sample, output_token_ids,
+        sampling_params, eos_token_id are read; finished_seq_ids drop their states)."""
         if self._states:
-            self.forget(scheduler_output.finished_request_ids)
+            self.forget(scheduler_output.finished_seq_ids)
         if not self._states:
             return None
-        constrained = [r for r in scheduler_output.requests if r.sample and r.request_id in self._states]
+        constrained = [r for r in scheduler_output.requests if r.sample and r.seq_id in self._states]
         if not constrained:
             return None
         t0 = time.perf_counter()
         bitmask = self._bitmask_buffer(len(constrained))
-        rows: dict[str, int] = {}
+        rows: dict[int, int] = {}
         step = StructuredStep(None)
         for row, r in enumerate(constrained):
-            state = self._sync(r.request_id, r.output_token_ids)
+            state = self._sync(r.seq_id, r.output_token_ids)
             state.matcher.fill_next_token_bitmask(bitmask, row)
             if len(r.output_token_ids) < r.sampling_params.min_tokens:
                 self._ban(bitmask[row], r)
-            rows[r.request_id] = row
+            rows[r.seq_id] = row
         bitmask = bitmask[: len(constrained)]
         for row in torch.nonzero((bitmask == 0).all(dim=1)).flatten().tolist():
-            rid = constrained[row].request_id
-            step.unsatisfiable.add(rid)
-            del rows[rid]
+            seq_id = constrained[row].seq_id
+            step.unsatisfiable.add(seq_id)
+            del rows[seq_id]
         self.stats.num_steps += 1
         self.stats.num_rows += len(constrained)
         self.stats.fill_s += time.perf_counter() - t0
@@ -156,24 +150,24 @@ class StructuredOutputManager:
             step.bitmask = GrammarBitmask(bitmask.clone(), rows, self.stats)
         return step
 
-    def accept(self, step: StructuredStep, sampled: dict[str, int]) -> dict[str, int]:
-        """Advance each constrained request's grammar by its sampled token. Returns `sampled` without
-        the requests that get no token (step.unsatisfiable)."""
+    def accept(self, step: StructuredStep, sampled: dict[int, int]) -> dict[int, int]:
+        """Advance each constrained sample's grammar by its sampled token. Returns `sampled` without
+        the samples that get no token (step.unsatisfiable)."""
         t0 = time.perf_counter()
-        for request_id in step.bitmask.rows if step.bitmask is not None else ():
-            state = self._states[request_id]
-            token = sampled[request_id]
+        for seq_id in step.bitmask.rows if step.bitmask is not None else ():
+            state = self._states[seq_id]
+            token = sampled[seq_id]
             if not state.matcher.accept_token(token):  # the mask allowed it: this is a bug, not input
-                logger.error("structured output: request %s sampled token %d that its grammar rejects",
-                             request_id, token)
-                step.unsatisfiable.add(request_id)
+                logger.error("structured output: sample %d sampled token %d that its grammar rejects",
+                             seq_id, token)
+                step.unsatisfiable.add(seq_id)
                 continue
             state.num_accepted += 1
             if state.matcher.is_terminated():
-                step.terminated.add(request_id)
+                step.terminated.add(seq_id)
         self.stats.accept_s += time.perf_counter() - t0
         if step.unsatisfiable:
-            sampled = {rid: t for rid, t in sampled.items() if rid not in step.unsatisfiable}
+            sampled = {seq_id: t for seq_id, t in sampled.items() if seq_id not in step.unsatisfiable}
         return sampled
 
     # -- internals -----------------------------------------------------------------------------
@@ -185,9 +179,9 @@ class StructuredOutputManager:
             self._bitmask = xgr.allocate_token_bitmask(max(rows, 64), self.vocab_size)
         return self._bitmask
 
-    def _sync(self, request_id: str, output_token_ids: Sequence[int]) -> _GrammarState:
-        """The request's grammar state after exactly its output tokens, replayed if it is not."""
-        state = self._states[request_id]
+    def _sync(self, seq_id: int, output_token_ids: Sequence[int]) -> _GrammarState:
+        """The sample's grammar state after exactly its output tokens, replayed if it is not."""
+        state = self._states[seq_id]
         if state.num_accepted != len(output_token_ids):
             state.matcher.reset()
             state.num_accepted = 0

@@ -56,15 +56,18 @@ class StructuredOutputParams:
         return self.kind.value, self.value
 
 
+def _load_json(text: str, param: str, fix: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"{param} is not valid JSON ({exc.msg} at column {exc.colno}); {fix}", param=param) from None
+
+
 def json_schema_constraint(schema: Any, param: str) -> StructuredOutputParams:
     """A JSON schema given as an object or as JSON text. Key order is kept: it is the order the
     grammar generates properties in."""
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequest(f"{param} is not valid JSON ({exc.msg} at column {exc.colno}); send a JSON "
-                                 "schema object", param=param) from None
+        schema = _load_json(schema, param, "send a JSON schema object")
     if not isinstance(schema, Mapping):
         raise InvalidRequest(f"{param}: expected a JSON schema object, got {type(schema).__name__}", param=param)
     text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
@@ -112,11 +115,7 @@ def build_constraint(kind: str, value: Any, param: str) -> StructuredOutputParam
 def _object_constraints(key: str, value: Any) -> list[StructuredOutputParams]:
     """structured_outputs / guided_decoding: an object (or its JSON text) of constraint fields."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequest(f"{key} is not valid JSON ({exc.msg}); send an object such as "
-                                 '{"regex": "[0-9]+"}', param=key) from None
+        value = _load_json(value, key, 'send an object such as {"regex": "[0-9]+"}')
     if not isinstance(value, Mapping):
         raise InvalidRequest(f"{key}: expected an object with one of {', '.join(_OBJECT_FIELDS)}, "
                              f"got {type(value).__name__}", param=key)

@@ -18,12 +18,11 @@ from torch import Tensor
 
 from pagedserve.kernels import reference
 from pagedserve.kernels.cpu.build import load_extension
-from pagedserve.kernels.kv_quant import scale_mode
+from pagedserve.kernels.kv_quant import FP8_DTYPES, scale_mode
 from pagedserve.kernels.reference.attention import check_paged_attention_args, prefill_attention
 
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_READS_IN_PLACE = (torch.float32, torch.bfloat16, torch.int8, *_FP8)
+_READS_IN_PLACE = (torch.float32, torch.bfloat16, torch.int8, *FP8_DTYPES)
 _FP32_BF16 = (torch.float32, torch.bfloat16)
 
 
@@ -94,7 +93,7 @@ def paged_attention(
     out = torch.empty_like(query)
     table = None
     k_codes, v_codes = key_cache, value_cache
-    if key_cache.dtype in _FP8:  # the kernel reads fp8 codes as bytes through a value table
+    if key_cache.dtype in FP8_DTYPES:  # the kernel reads fp8 codes as bytes through a value table
         table = _fp8_table(key_cache.dtype)
         k_codes, v_codes = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     load_extension().paged_decode_attention(out, query, k_codes, v_codes, block_table, query_start_loc, seq_lens,

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pagedserve.kernels.kv_quant import scale_mode
+from pagedserve.kernels import contract
 from pagedserve.kernels.reference.quant import dequantize_kv, quantize_kv
 
 __all__ = ["reshape_and_cache", "paged_attention", "check_paged_attention_args", "prefill_attention"]
@@ -42,23 +42,13 @@ _DECODE_GROUP_TOKENS = 4096
 # SDPA from skipping the masked upper triangle, so tiling the rows skips most of it instead.
 _PREFILL_QUERY_TILE = 128
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _check_cache(key_cache: Tensor, value_cache: Tensor) -> None:
-    assert key_cache.dim() == 4, f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(key_cache.shape)}"
-    assert value_cache.shape == key_cache.shape, f"value_cache {tuple(value_cache.shape)} != key_cache {tuple(key_cache.shape)}"
-    assert value_cache.dtype == key_cache.dtype, f"cache dtypes differ: {key_cache.dtype} vs {value_cache.dtype}"
-    assert key_cache.is_contiguous() and value_cache.is_contiguous(), "KV caches must be contiguous"
-
-
 def reshape_and_cache(
     key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor,
     k_scale: Tensor | None = None, v_scale: Tensor | None = None,
 ) -> None:
     """Store this step's K/V into the paged caches, in place (quantizing on write).
 
-    key, value:   [num_tokens, num_kv_heads, head_dim], any float dtype (cast to the cache dtype).
+    key, value:   [num_tokens, num_kv_heads, head_dim], fp32/bf16/fp16 (cast to the cache dtype).
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, same dtype:
                   fp32/bf16/fp16, or int8/float8_e4m3fn/float8_e5m2 (quantized).
     slot_mapping: int64 [num_tokens]; token i goes to slot ``slot_mapping[i]`` =
@@ -68,14 +58,8 @@ def reshape_and_cache(
                   [num_blocks, block_size, num_kv_heads] (dynamic: this call writes the new tokens'
                   scales at their slots) or fp32 0-dim (static per-tensor: read only).
     """
-    _check_cache(key_cache, value_cache)
+    mode = contract.check_kv_store_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     _, _, num_kv_heads, head_dim = key_cache.shape
-    assert key.dim() == 3 and key.shape[1:] == (num_kv_heads, head_dim), (
-        f"key must be [num_tokens, {num_kv_heads}, {head_dim}], got {tuple(key.shape)}")
-    assert value.shape == key.shape, f"value {tuple(value.shape)} != key {tuple(key.shape)}"
-    assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (key.shape[0],), (
-        f"slot_mapping must be int64 [{key.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-    mode = scale_mode(key_cache, k_scale, v_scale)
     if mode == "none":
         # view() (not flatten/reshape) so a layout that cannot be written through fails loudly.
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
@@ -136,30 +120,18 @@ def paged_attention(
 def check_paged_attention_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
                                max_query_len, max_seq_len, sliding_window, k_scale, v_scale
                                ) -> tuple[list[int], list[int], list[int], str]:
-    """Assert paged_attention's contract; return (query starts, seq_lens, q_lens) as lists and the
-    scale mode. The CPU path reads the (tiny) metadata on the host; the Triton twin never does."""
-    _check_cache(key_cache, value_cache)
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
-    assert query.dim() == 3 and query.shape[2] == head_dim and query.shape[1] % num_kv_heads == 0, (
-        f"query must be [num_tokens, k * {num_kv_heads}, {head_dim}], got {tuple(query.shape)}")
-    assert query.dtype in _FLOAT_DTYPES, f"query dtype {query.dtype} not supported"
-    num_seqs = seq_lens.shape[0]
-    assert block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == num_seqs, (
-        f"block_table must be int32 [{num_seqs}, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
-    assert query_start_loc.dtype == torch.int32 and query_start_loc.shape == (num_seqs + 1,), (
-        f"query_start_loc must be int32 [{num_seqs + 1}], got {query_start_loc.dtype} {tuple(query_start_loc.shape)}")
-    assert seq_lens.dtype == torch.int32 and seq_lens.dim() == 1, f"seq_lens must be int32 [B], got {seq_lens.dtype}"
-    assert sliding_window is None or sliding_window > 0, f"sliding_window must be positive, got {sliding_window}"
-    mode = scale_mode(key_cache, k_scale, v_scale)
+    """Assert paged_attention's contract (pagedserve.kernels.contract, plus what the metadata's
+    values must satisfy); return (query starts, seq_lens, q_lens) as lists and the scale mode.
+    The CPU path reads the (tiny) metadata on the host; the Triton twin never does."""
+    mode = contract.check_paged_attention_args(query, key_cache, value_cache, block_table, query_start_loc,
+                                               seq_lens, max_seq_len, sliding_window, k_scale, v_scale)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    q_lens = [starts[b + 1] - starts[b] for b in range(num_seqs)]
+    q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
     assert starts[0] == 0 and starts[-1] == query.shape[0], "query_start_loc must run from 0 to num_tokens"
     assert all(0 <= q <= s for q, s in zip(q_lens, lens)), "need 0 <= q_len <= seq_len for every sequence"
     assert max(q_lens, default=0) <= max_query_len, f"max_query_len={max_query_len} < {max(q_lens)}"
     assert max(lens, default=0) <= max_seq_len, f"max_seq_len={max_seq_len} < {max(lens)}"
-    assert max_seq_len <= block_table.shape[1] * block_size, (
-        f"block_table holds {block_table.shape[1]} blocks of {block_size}, max_seq_len is {max_seq_len}")
     return starts, lens, q_lens, mode
 
 

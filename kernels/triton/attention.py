@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.kv_quant import is_quantized, scale_mode
+from pagedserve.kernels import contract
+from pagedserve.kernels.kv_quant import is_quantized
 from pagedserve.kernels.triton.kv_store import MODES
 from pagedserve.kernels.triton.quant import check_cache_dtype_supported
 
@@ -212,32 +213,18 @@ def paged_attention(
     max_query_len, max_seq_len: host ints, upper bounds of the batch (size the grid; never synced).
     Returns [num_tokens, num_heads, head_dim] in query's dtype.
     """
-    assert key_cache.dim() == 4 and value_cache.shape == key_cache.shape, (
-        f"caches must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(key_cache.shape)} "
-        f"and {tuple(value_cache.shape)}")
-    assert value_cache.dtype == key_cache.dtype, f"cache dtypes differ: {key_cache.dtype} vs {value_cache.dtype}"
-    assert key_cache.is_contiguous() and value_cache.is_contiguous(), "KV caches must be contiguous"
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
-    assert query.dim() == 3 and query.shape[2] == head_dim and query.shape[1] % num_kv_heads == 0, (
-        f"query must be [num_tokens, k * {num_kv_heads}, {head_dim}], got {tuple(query.shape)}")
-    assert query.dtype in (torch.float32, torch.bfloat16, torch.float16), f"query dtype {query.dtype} not supported"
+    mode = contract.check_paged_attention_args(query, key_cache, value_cache, block_table, query_start_loc,
+                                               seq_lens, max_seq_len, sliding_window, k_scale, v_scale)
+    # What this kernel's addressing needs beyond the shared contract:
     assert query.stride(2) == 1, f"query must be contiguous in head_dim, strides {query.stride()}"
-    num_seqs = seq_lens.shape[0]
-    assert block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == num_seqs, (
-        f"block_table must be int32 [{num_seqs}, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
     assert block_table.stride(1) == 1, "block_table rows must be contiguous"
-    assert query_start_loc.dtype == torch.int32 and tuple(query_start_loc.shape) == (num_seqs + 1,), (
-        f"query_start_loc must be int32 [{num_seqs + 1}], got {query_start_loc.dtype} {tuple(query_start_loc.shape)}")
-    assert seq_lens.dtype == torch.int32 and seq_lens.dim() == 1, f"seq_lens must be int32 [B], got {seq_lens.dtype}"
     assert query_start_loc.is_contiguous() and seq_lens.is_contiguous(), "query_start_loc/seq_lens must be contiguous"
     for name, t in (("key_cache", key_cache), ("block_table", block_table),
                     ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
         assert t.device == query.device, f"{name} is on {t.device}, query on {query.device}"
-    assert max_seq_len <= block_table.shape[1] * block_size, (
-        f"block_table holds {block_table.shape[1]} blocks of {block_size}, max_seq_len is {max_seq_len}")
-    assert sliding_window is None or sliding_window > 0, f"sliding_window must be positive, got {sliding_window}"
-    mode = scale_mode(key_cache, k_scale, v_scale)
     check_cache_dtype_supported(key_cache.dtype, key_cache.device)
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    num_seqs = seq_lens.shape[0]
     # Positions, tokens and block ids are int32 in the kernel; offsets that multiply them are int64.
     assert query.shape[0] < 2**31 and key_cache.shape[0] * block_size < 2**31
 

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.kv_quant import BF16_KEEP_MASK, BF16_ROUND_UP_ADD, MIN_SCALE, scale_mode
+from pagedserve.kernels import contract
+from pagedserve.kernels.kv_quant import BF16_KEEP_MASK, BF16_ROUND_UP_ADD, MIN_SCALE
 from pagedserve.kernels.triton.quant import check_cache_dtype_supported, quant_constexprs, quantize_to_grid
 
 __all__ = ["reshape_and_cache"]
@@ -90,25 +91,16 @@ def reshape_and_cache(
     k_scale, v_scale: None (float cache), bf16 [num_blocks, block_size, num_kv_heads] contiguous
                   (dynamic, written here) or fp32 0-dim (static, read).
     """
-    assert key_cache.dim() == 4 and value_cache.shape == key_cache.shape, (
-        f"caches must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(key_cache.shape)} "
-        f"and {tuple(value_cache.shape)}")
-    assert value_cache.dtype == key_cache.dtype, f"cache dtypes differ: {key_cache.dtype} vs {value_cache.dtype}"
-    assert key_cache.is_contiguous() and value_cache.is_contiguous(), "KV caches must be contiguous"
-    _, _, num_kv_heads, head_dim = key_cache.shape
-    num_tokens = key.shape[0]
+    mode = contract.check_kv_store_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    # What this kernel's addressing needs beyond the shared contract:
     for name, x in (("key", key), ("value", value)):
-        assert x.dim() == 3 and tuple(x.shape) == (num_tokens, num_kv_heads, head_dim), (
-            f"{name} must be [num_tokens, {num_kv_heads}, {head_dim}], got {tuple(x.shape)}")
-        assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), f"{name} dtype {x.dtype} not supported"
         assert x.stride(2) == 1, f"{name} must be contiguous in head_dim, strides {x.stride()}"
         assert x.device == key_cache.device, f"{name} is on {x.device}, the cache on {key_cache.device}"
-    assert slot_mapping.dtype == torch.int64 and tuple(slot_mapping.shape) == (num_tokens,), (
-        f"slot_mapping must be int64 [{num_tokens}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     assert slot_mapping.is_contiguous() and slot_mapping.device == key_cache.device, (
         "slot_mapping must be contiguous and on the cache's device")
-    mode = scale_mode(key_cache, k_scale, v_scale)
     check_cache_dtype_supported(key_cache.dtype, key_cache.device)
+    _, _, num_kv_heads, head_dim = key_cache.shape
+    num_tokens = key.shape[0]
     if num_tokens == 0:
         return
     dummy = key_cache  # unused pointer when there are no scales (QUANT == 0 never reads it)

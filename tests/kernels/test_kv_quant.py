@@ -168,3 +168,26 @@ def test_dequantizes_only_gathered_tokens(monkeypatch):
     paged_attention(**args, scale=0.125)
     gathered_bound = sum(c + q for c, q in specs) * 2 * 64  # every key of every sequence, once
     assert seen and max(seen) <= gathered_bound < args["key_cache"].numel() // 50
+
+
+def test_the_kv_dtype_table_agrees_with_torch_and_the_config():
+    """kv_dtypes.KV_CACHE_DTYPES is the one table of cache dtypes: each code range is the format's
+    own (torch.finfo / iinfo), the fp8 flag marks the 1-byte floats, and every name configures."""
+    from pagedserve.core.config import CacheConfig
+    from pagedserve.core.kv_cache.cache_tensors import resolve_kv_cache_dtype
+    from pagedserve.kernels.kv_dtypes import KV_CACHE_DTYPE_NAMES, KV_CACHE_DTYPES
+
+    assert {d.name for d in KV_CACHE_DTYPES.values()} == {"fp32", "bf16", "fp16", "int8", "fp8_e4m3", "fp8_e5m2"}
+    for name, entry in KV_CACHE_DTYPES.items():
+        dtype = entry.torch_dtype
+        assert isinstance(dtype, torch.dtype)
+        assert entry.fp8 == (dtype.is_floating_point and dtype.itemsize == 1), name
+        if entry.quantized:
+            info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+            assert entry.qmax == info.max and QUANT_MAX[dtype] == entry.qmax, name
+        else:
+            assert dtype.is_floating_point and dtype not in QUANT_MAX, name
+        assert CacheConfig(kv_cache_dtype=name).kv_cache_dtype == name
+        assert resolve_kv_cache_dtype(name, torch.float32) is dtype
+    assert KV_CACHE_DTYPE_NAMES == ("auto", *KV_CACHE_DTYPES)
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16) is torch.bfloat16
