@@ -10,8 +10,8 @@
 // 16 outputs, each in the VNNI form tdpbf16ps takes for its B operand: tile row r (0..15) holds,
 // for output columns c = 0..15, the pair W[n0 + c][k0 + 2r], W[n0 + c][k0 + 2r + 1]. Groups are
 // laid out one after the other, slices in order within a group: a thread reading its groups reads
-// one sequential stream. N must be a multiple of 32 and K of 32 (the Python side checks and keeps
-// oneDNN otherwise).
+// one sequential stream, in transparent huge pages (huge_pages.cpp). N and K must be multiples of
+// 32 (the Python side checks and keeps oneDNN otherwise).
 //
 // Compute. Tiles tmm0-3 accumulate a 32 x 32 block of y in fp32 (two 16-row tiles of x times the
 // group's two column tiles), tmm4/5 hold x's rows, tmm6/7 the weight tiles. Rows are taken 32 at
@@ -21,14 +21,12 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cstring>
-#include <memory>
-#include <mutex>
 
+#include "huge_pages.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -150,45 +148,6 @@ PAGEDSERVE_AMX void amx_groups(const uint16_t* x, const uint16_t* xt, int64_t ta
 #define PAGEDSERVE_HAVE_AMX 1
 #endif
 
-// Packed weights are carved from 64 MB anonymous mappings advised to use transparent huge pages
-// (THP "madvise" or "always"): every call streams a layer's weights whole, and 2 MB pages spare
-// the page walks of 4 KB ones (read bandwidth 24.8 -> 30.3 GB/s on the AMX Xeon). Layers are
-// mostly under 2 MB each, so they share mappings; a mapping is unmapped when the last tensor
-// carved from it is freed. Untouched pages of the last mapping cost no memory.
-class HugePageArena {
- public:
-  torch::Tensor allocate(int64_t numel, const torch::TensorOptions& options) {
-    const size_t bytes = (static_cast<size_t>(numel) * 2 + kAlign - 1) / kAlign * kAlign;
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (chunk_ == nullptr || used_ + bytes > size_) {
-      const size_t size = std::max(kChunk, (bytes + kHuge - 1) / kHuge * kHuge);
-      void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (p == MAP_FAILED) return torch::empty({numel}, options);
-#ifdef MADV_HUGEPAGE
-      madvise(p, size, MADV_HUGEPAGE);
-#endif
-      chunk_ = std::shared_ptr<void>(p, [size](void* q) { munmap(q, size); });
-      size_ = size;
-      used_ = 0;
-    }
-    void* at = static_cast<char*>(chunk_.get()) + used_;
-    used_ += bytes;
-    std::shared_ptr<void> keep = chunk_;
-    return torch::from_blob(at, {numel}, [keep](void*) {}, options);
-  }
-
- private:
-  static constexpr size_t kHuge = size_t{2} << 20, kChunk = size_t{64} << 20, kAlign = 4096;
-  std::mutex mutex_;
-  std::shared_ptr<void> chunk_;
-  size_t size_ = 0, used_ = 0;
-};
-
-HugePageArena& weight_arena() {
-  static HugePageArena arena;
-  return arena;
-}
-
 void check_bf16_matrix(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kBFloat16 && t.dim() == 2 && t.is_contiguous(), name,
               " must be a contiguous 2-D bfloat16 tensor, got ", t.scalar_type(), " ", t.sizes());
@@ -210,7 +169,7 @@ torch::Tensor amx_pack_weight(torch::Tensor weight) {
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(N % kGroup == 0 && K % kSlice == 0, "amx_pack_weight: out_features must be a multiple of ", kGroup,
               " and in_features of ", kSlice, ", got ", weight.sizes());
-  torch::Tensor packed = weight_arena().allocate(N * K, weight.options());
+  torch::Tensor packed = huge_page_empty(N * K, weight.options());
   const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   uint16_t* p = reinterpret_cast<uint16_t*>(packed.data_ptr());
   const int64_t slices = K / kSlice;

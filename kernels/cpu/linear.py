@@ -32,7 +32,8 @@ def amx_available() -> bool:
 def prepack_linear(weight: Tensor) -> Callable[[Tensor, Tensor | None], Tensor] | None:
     """A function (x, bias) -> x @ weight.T + bias over a packed copy of ``weight`` [out, in], or
     None where the AMX kernel does not apply (not a CPU bf16 matrix, a shape off its blocking,
-    no AMX here); the caller then keeps its own path."""
+    no AMX here); the caller then keeps its own path. (fp32 weights copied into huge pages for
+    F.linear measured within noise, 15.3 vs 15.7 s of W64 decode linears: fp32 is compute-bound.)"""
     if not (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2):
         return None
     out_features, in_features = weight.shape
@@ -47,3 +48,4 @@ def prepack_linear(weight: Tensor) -> Callable[[Tensor, Tensor | None], Tensor] 
 
     linear.packed = packed  # type: ignore[attr-defined]  # for tests and memory accounting
     return linear
+
