@@ -7,11 +7,16 @@ layers with cold weights: 29 -> 18 ms at 1 row, 39 -> 26 ms at 64 rows, 86 -> 78
 the same at 1024 (packed for 64 rows; packing for 1, 16, 256 or 1024 rows measured no better).
 fp32 weights stay as they are: oneDNN's packed fp32 path and MKL's packed GEMM (packed for one
 batch size only) measured no faster than F.linear. The plain weight is dropped once packed.
+
+A kernel backend may do better still: `prepack` (e.g. pagedserve.kernels.cpu.linear.prepack_linear,
+bf16 on AMX) gets the weight first and, when it returns a function, that function computes the
+layer and neither the plain nor the oneDNN copy is kept.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,14 +35,19 @@ def _can_pack(weight: torch.Tensor) -> bool:
 class Linear:
     """y = x @ weight.T + bias for x [rows, in_features] (rows may be 0)."""
 
-    __slots__ = ("weight", "bias", "packed", "in_features", "out_features")
+    __slots__ = ("weight", "bias", "packed", "kernel", "in_features", "out_features")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
+                 prepack: Callable[[torch.Tensor], Callable | None] | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = weight
-        if pack and _can_pack(weight):
+        # kernel(x, bias): the backend's own packed layer, when it took this weight.
+        self.kernel = prepack(weight) if pack and prepack is not None else None
+        if self.kernel is not None:
+            self.weight = None
+        elif pack and _can_pack(weight):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_FOR_ROWS)
                 self.weight = None
@@ -45,6 +55,8 @@ class Linear:
                 logger.warning("oneDNN weight packing unavailable, using plain matmuls: %s", exc)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x, self.bias)
         if self.packed is not None and x.shape[0] > 0:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.packed is not None:  # no rows: oneDNN refuses empty inputs

@@ -32,7 +32,8 @@ from pagedserve.core.models.arch import ModelArch
 # 49k-row weight with few input rows measured 1.4x (64 rows) to 1.6x (8 rows) slower in MKL than
 # 1024-row slices whose outputs stay in L2 (2-core AVX2 EPYC; 1.7x at 8 rows on an AMX Xeon).
 # Same dot products, bit-identical logits. A bf16 head packed for oneDNN (core/layers/linear.py)
-# is fastest whole: 3.2 vs 5.2 ms at 1 row, 6.5 vs 8.9 ms at 64 rows on the AMX Xeon.
+# is fastest whole: 3.2 vs 5.2 ms at 1 row, 6.5 vs 8.9 ms at 64 rows on the AMX Xeon, and the
+# backend's own packing (kernels/cpu/linear.py, AMX) faster again.
 CPU_LM_HEAD_SLICE = 1024
 
 
@@ -57,8 +58,8 @@ class LlamaDecoder:
         self.embed = embed
         self.layers = layers
         self.norm = norm
-        whole = Linear(lm_head)
-        if whole.packed is None and embed.device.type == "cpu":
+        whole = Linear(lm_head, prepack=getattr(kernels, "prepack_linear", None))
+        if whole.packed is None and whole.kernel is None and embed.device.type == "cpu":
             self.lm_head = [Linear(w) for w in lm_head.split(CPU_LM_HEAD_SLICE)]
         else:
             self.lm_head = [whole]

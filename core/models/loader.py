@@ -60,21 +60,27 @@ def _cat(*parts: torch.Tensor | None) -> torch.Tensor | None:
 def load_decoder(path: Path, arch: ModelArch, dtype: torch.dtype, device: torch.device,
                  max_position: int, kernels: ModuleType) -> LlamaDecoder:
     ckpt = _Checkpoint(path, dtype, device)
+    # The backend's packed linear layers where it has them (kernels/cpu: bf16 on AMX).
+    prepack = getattr(kernels, "prepack_linear", None)
+
+    def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        return Linear(weight, bias, prepack=prepack)
+
     layers = []
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
         layers.append(LayerWeights(
             input_norm=ckpt.get(p + "input_layernorm.weight"),
-            qkv=Linear(_cat(*(ckpt.get(f"{attn}{x}_proj.weight") for x in "qkv")),
+            qkv=linear(_cat(*(ckpt.get(f"{attn}{x}_proj.weight") for x in "qkv")),
                        _cat(*(ckpt.maybe(f"{attn}{x}_proj.bias") for x in "qkv"))),
-            o=Linear(ckpt.get(attn + "o_proj.weight"), ckpt.maybe(attn + "o_proj.bias")),
+            o=linear(ckpt.get(attn + "o_proj.weight"), ckpt.maybe(attn + "o_proj.bias")),
             q_norm=ckpt.get(attn + "q_norm.weight") if arch.qk_norm else None,
             k_norm=ckpt.get(attn + "k_norm.weight") if arch.qk_norm else None,
             post_norm=ckpt.get(p + "post_attention_layernorm.weight"),
-            gate_up=Linear(_cat(ckpt.get(mlp + "gate_proj.weight"), ckpt.get(mlp + "up_proj.weight")),
+            gate_up=linear(_cat(ckpt.get(mlp + "gate_proj.weight"), ckpt.get(mlp + "up_proj.weight")),
                            _cat(ckpt.maybe(mlp + "gate_proj.bias"), ckpt.maybe(mlp + "up_proj.bias"))),
-            down=Linear(ckpt.get(mlp + "down_proj.weight"), ckpt.maybe(mlp + "down_proj.bias")),
+            down=linear(ckpt.get(mlp + "down_proj.weight"), ckpt.maybe(mlp + "down_proj.bias")),
         ))
     embed = ckpt.get("model.embed_tokens.weight")
     if arch.tie_word_embeddings or not ckpt.has("lm_head.weight"):

@@ -46,11 +46,7 @@ struct Io<uint16_t> {
   static PAGEDSERVE_INLINE float round(float v) { return bf16_to_float(float_to_bf16(v)); }
   static PAGEDSERVE_INLINE v16sf get16(const uint16_t* p, int64_t i) { return bf16x16_to_float(p + i); }
   static PAGEDSERVE_INLINE void put16(uint16_t* p, int64_t i, v16sf v) { float_to_bf16x16(v, p + i); }
-  static PAGEDSERVE_INLINE v16sf round16(v16sf v) {
-    uint16_t tmp[16];
-    float_to_bf16x16(v, tmp);
-    return bf16x16_to_float(tmp);
-  }
+  static PAGEDSERVE_INLINE v16sf round16(v16sf v) { return round_to_bf16x16(v); }
 };
 
 // rms_norm of one row as core/layers/norm.py computes it: h = x.float(); h * rsqrt(mean(h^2) +

@@ -25,4 +25,10 @@ std::vector<torch::Tensor> rotary_qkv(torch::Tensor qkv, torch::Tensor positions
 void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
               torch::Tensor slot_mapping);
 
+// amx_linear.cpp
+bool amx_linear_available();
+torch::Tensor amx_pack_weight(torch::Tensor weight);
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                         int64_t out_features);
+
 }  // namespace pagedserve

@@ -22,6 +22,7 @@ namespace pagedserve {
 
 typedef float v16sf __attribute__((vector_size(64)));
 typedef int32_t v16si __attribute__((vector_size(64)));
+typedef uint32_t v16su __attribute__((vector_size(64)));
 typedef uint16_t v16hu __attribute__((vector_size(32)));
 
 template <typename V>
@@ -64,6 +65,16 @@ PAGEDSERVE_INLINE void float_to_bf16x16(v16sf x, uint16_t* out) {
   const v16si nan = (bits >> 16) | 0x40;
   const v16si is_nan = (bits & 0x7fffffff) > 0x7f800000;
   storev(out, __builtin_convertvector(is_nan ? nan : rounded, v16hu));
+}
+
+// x rounded to the nearest bf16 (even on ties) and widened back, in registers: what a torch op
+// with a bf16 result does to its fp32 value. NaN stays NaN (quieted, as the conversion does).
+PAGEDSERVE_INLINE v16sf round_to_bf16x16(v16sf x) {
+  const v16su bits = reinterpret_cast<const v16su&>(x);
+  const v16su rounded = (bits + (0x7fffu + ((bits >> 16) & 1u))) & 0xffff0000u;
+  const v16su nan = (bits | 0x400000u) & 0xffff0000u;
+  const v16su out = (bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+  return reinterpret_cast<const v16sf&>(out);
 }
 
 // e^x for x <= 0 (a score minus a running maximum), vectorisable where std::exp is a scalar libm

@@ -1,0 +1,226 @@
+// bf16 linear layers on Intel AMX: y = x @ W^T (+ bias) with W packed once, at load, into the
+// tile layout tdpbf16ps reads, so a call streams each weight byte from memory exactly once.
+//
+// Why not oneDNN for this: at decode sizes (a few to 64 rows) the layer is bound by reading its
+// weights, and oneDNN's packed bf16 matmul streamed SmolLM2's cold weights at 9-14 GB/s on a 2-core
+// AMX Xeon whose cores read 25-30 GB/s; its per-call set-up (~20 us) also shows at one row.
+//
+// Packed layout. W [N, K] (out_features x in_features) is cut into 32-column groups of outputs
+// and 32-wide slices of K. For group g and slice s the packed tensor holds two 1 KB tiles, one per
+// 16 outputs, each in the VNNI form tdpbf16ps takes for its B operand: tile row r (0..15) holds,
+// for output columns c = 0..15, the pair W[n0 + c][k0 + 2r], W[n0 + c][k0 + 2r + 1]. Groups are
+// laid out one after the other, slices in order within a group: a thread reading its groups reads
+// one sequential stream, in transparent huge pages (huge_pages.cpp). N and K must be multiples of
+// 32 (the Python side checks and keeps oneDNN otherwise).
+//
+// Compute. Tiles tmm0-3 accumulate a 32 x 32 block of y in fp32 (two 16-row tiles of x times the
+// group's two column tiles), tmm4/5 hold x's rows, tmm6/7 the weight tiles. Rows are taken 32 at
+// a time; a last partial 16-row tile is read from a zero-padded copy, so no tile reads past x.
+// Results are rounded once to bf16 (round to nearest even), as oneDNN's bf16 matmul does, after
+// adding the bias in fp32. Groups are split across threads; each thread configures its tiles.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "huge_pages.h"
+#include "ops.h"
+#include "vec.h"
+
+namespace pagedserve {
+namespace {
+
+constexpr int64_t kTile = 16;       // rows of a tile, and output columns of a weight tile
+constexpr int64_t kSlice = 32;      // K values one tile row holds (32 bf16 = 64 bytes)
+constexpr int64_t kGroup = 32;      // output columns per group (two weight tiles)
+constexpr int64_t kTileElems = 512; // bf16 values in one 1 KB tile
+// Weight bytes ahead of the current slice that the first row block prefetches into L2 (software
+// prefetch into L2 measured ~5% faster than the hardware prefetchers alone on cold weights).
+constexpr int64_t kPrefetchBytes = 16384;
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands a process the AMX tile state only once it asks (arch_prctl); oneDNN asks too.
+bool request_amx_permission() {
+#if defined(__x86_64__) && defined(SYS_arch_prctl)
+  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_amx_bf16() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  unsigned eax, ebx, ecx, edx;
+  __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
+  const bool tile = edx & (1u << 24), bf16 = edx & (1u << 22);
+  return tile && bf16;
+#else
+  return false;
+#endif
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PAGEDSERVE_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
+
+PAGEDSERVE_AMX void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = kTile;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// y[r, n0 .. n0 + 32) for the rows of one 32-row block (count rows, 1..32) from the fp32 tile
+// block c (row stride 32), plus the bias, rounded to bf16.
+PAGEDSERVE_AMX void write_rows(const float* c, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = 0; h < kGroup; h += 16) {
+      v16sf v = loadv<v16sf>(c + r * kGroup + h);
+      if (bias != nullptr) v += bf16x16_to_float(bias + h);
+      float_to_bf16x16(v, y + r * ldy + h);
+    }
+  }
+}
+
+// Groups [g0, g1) of y = x @ W^T for x [M, K] (rows padded: xt holds the last partial tile).
+PAGEDSERVE_AMX void amx_groups(const uint16_t* x, const uint16_t* xt, int64_t tail_row0, const uint16_t* w,
+                               const uint16_t* bias, uint16_t* y, int64_t M, int64_t K, int64_t N, int64_t g0,
+                               int64_t g1) {
+  configure_tiles();
+  alignas(64) float c[2 * kTile * kGroup];
+  const int64_t slices = K / kSlice;
+  const int64_t x_stride = K * 2;  // bytes between rows of x
+  auto rows_at = [&](int64_t r0) -> const uint16_t* {  // 16 rows of x from row r0, padded if short
+    return r0 >= tail_row0 ? xt + (r0 - tail_row0) * K : x + r0 * K;
+  };
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint16_t* wg = w + g * slices * 2 * kTileElems;
+    for (int64_t r0 = 0; r0 < M; r0 += 2 * kTile) {
+      const bool two = r0 + kTile < M;
+      const uint16_t* a0 = rows_at(r0);
+      const uint16_t* a1 = two ? rows_at(r0 + kTile) : nullptr;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t s = 0; s < slices; ++s) {
+        const uint16_t* b = wg + s * 2 * kTileElems;
+        if (r0 == 0) {  // later row blocks find the group's tiles in L1/L2
+          const char* ahead = reinterpret_cast<const char*>(b) + kPrefetchBytes;
+          for (int i = 0; i < 32; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T1);
+        }
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b + kTileElems, 64);
+        _tile_loadd(4, a0 + s * kSlice, x_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, a1 + s * kSlice, x_stride);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      // c: 32 rows x 32 columns, row stride kGroup floats.
+      _tile_stored(0, c, kGroup * 4);
+      _tile_stored(1, c + kTile, kGroup * 4);
+      if (two) {
+        _tile_stored(2, c + kTile * kGroup, kGroup * 4);
+        _tile_stored(3, c + kTile * kGroup + kTile, kGroup * 4);
+      }
+      const int64_t rows = std::min<int64_t>(2 * kTile, M - r0);
+      write_rows(c, bias == nullptr ? nullptr : bias + g * kGroup, y + r0 * N + g * kGroup, N, rows);
+    }
+  }
+  _tile_release();
+}
+#define PAGEDSERVE_HAVE_AMX 1
+#endif
+
+void check_bf16_matrix(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kBFloat16 && t.dim() == 2 && t.is_contiguous(), name,
+              " must be a contiguous 2-D bfloat16 tensor, got ", t.scalar_type(), " ", t.sizes());
+}
+
+}  // namespace
+
+bool amx_linear_available() {
+#ifdef PAGEDSERVE_HAVE_AMX
+  static const bool ok = cpu_has_amx_bf16() && request_amx_permission();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor amx_pack_weight(torch::Tensor weight) {
+  check_bf16_matrix(weight, "weight");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(N % kGroup == 0 && K % kSlice == 0, "amx_pack_weight: out_features must be a multiple of ", kGroup,
+              " and in_features of ", kSlice, ", got ", weight.sizes());
+  torch::Tensor packed = huge_page_empty(N * K, weight.options());
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  uint16_t* p = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  const int64_t slices = K / kSlice;
+  at::parallel_for(0, N / kGroup, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t s = 0; s < slices; ++s) {
+        for (int64_t half = 0; half < 2; ++half) {
+          uint16_t* tile = p + ((g * slices + s) * 2 + half) * kTileElems;
+          const int64_t n0 = g * kGroup + half * kTile, k0 = s * kSlice;
+          for (int64_t r = 0; r < kTile; ++r) {
+            for (int64_t c = 0; c < kTile; ++c) {
+              tile[r * 32 + c * 2] = w[(n0 + c) * K + k0 + 2 * r];
+              tile[r * 32 + c * 2 + 1] = w[(n0 + c) * K + k0 + 2 * r + 1];
+            }
+          }
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                         int64_t out_features) {
+  check_bf16_matrix(x, "x");
+  TORCH_CHECK(amx_linear_available(), "amx_linear: this CPU (or kernel) offers no AMX bf16");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() && packed.numel() == N * K,
+              "amx_linear: packed must be amx_pack_weight's result for a [", N, ", ", K, "] weight");
+  TORCH_CHECK(N % kGroup == 0 && K % kSlice == 0, "amx_linear: unsupported shape");
+  const uint16_t* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
+                "amx_linear: bias must be contiguous bfloat16 [out_features]");
+    b = reinterpret_cast<const uint16_t*>(bias->data_ptr());
+  }
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+#ifdef PAGEDSERVE_HAVE_AMX
+  // The rows of the last 16-row tile, zero-padded to 16, when M is not a multiple of 16.
+  const int64_t tail_row0 = (M % kTile == 0) ? M : M - M % kTile;
+  std::vector<uint16_t> tail(static_cast<size_t>(kTile * K), 0);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  if (tail_row0 < M) std::memcpy(tail.data(), xp + tail_row0 * K, (M - tail_row0) * K * sizeof(uint16_t));
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  at::parallel_for(0, N / kGroup, 1, [&](int64_t g0, int64_t g1) {
+    amx_groups(xp, tail.data(), tail_row0, w, b, yp, M, K, N, g0, g1);
+  });
+#endif
+  return y;
+}
+
+}  // namespace pagedserve
