@@ -102,7 +102,9 @@ class ModelRunner:
             row += n_rows
         if not sampling:
             return RunnerOutput({}, {}, prompt_logprobs)
-        if len(sample_rows) == logits.shape[0]:  # every row samples, in order: no 11 MB copy
+        # Every row samples, in order: the logits themselves, not an 11 MB copy; unless a grammar
+        # masks them in place (the forward's output is an inference tensor).
+        if grammar is None and len(sample_rows) == logits.shape[0]:
             sample_logits = logits
         else:
             sample_logits = logits[torch.tensor(sample_rows, device=logits.device)]
