@@ -30,13 +30,14 @@ pytestmark = pytest.mark.timeout(240)
 
 PROMPT = "The paged KV cache hands out blocks"
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
+VICTIM_TOKENS = 2000  # requests a test cancels midway: seconds of decoding, not the ~0.2 s of 220
 SMOLLM2_SETTINGS = {"model": "default", "dtype": "float32", "max_num_seqs": 8, "kv_cache_memory": 64 * 2**20}
 
 
 @pytest.fixture(scope="module")
 def engine_settings(tiny_model_dir):
     return {"model": str(tiny_model_dir("llama")), "dtype": "float32", "max_num_seqs": 16,
-            "max_num_batched_tokens": 128, "num_kv_blocks": 256, "max_model_len": 256}
+            "max_num_batched_tokens": 128, "num_kv_blocks": 256, "max_model_len": 2048}
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +205,8 @@ def test_cancelled_grpc_stream_and_closed_sse_free_the_request(server, oracle):
     victim = GrpcStream(server.grpc_url)
     try:
         other.send("pagedserve", text_inputs(PROMPT, True, {"max_tokens": 60, **GREEDY}))
-        victim.send("pagedserve", text_inputs(PROMPT, True, {"max_tokens": 220, **GREEDY}))
+        # Long enough that it cannot finish before the cancel lands (the tiny model decodes fast).
+        victim.send("pagedserve", text_inputs(PROMPT, True, {"max_tokens": VICTIM_TOKENS, **GREEDY}))
         got = victim.collect(stop_after=3)
         assert len(got.responses) == 3 and not any(got.finals)
         victim.close(cancel=True)
@@ -216,7 +218,8 @@ def test_cancelled_grpc_stream_and_closed_sse_free_the_request(server, oracle):
     # An SSE client that disconnects midway.
     conn = http.client.HTTPConnection(server.host, server.http_port, timeout=30)
     conn.request("POST", "/v2/models/pagedserve/generate_stream", json.dumps(
-        {"text_input": PROMPT, "stream": True, "parameters": {"max_tokens": 220, "temperature": 0, "ignore_eos": True}}),
+        {"text_input": PROMPT, "stream": True, "parameters": {"max_tokens": VICTIM_TOKENS, "temperature": 0,
+                                                              "ignore_eos": True}}),
         {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200 and resp.readline().startswith(b"data: ")
@@ -231,7 +234,7 @@ def test_cancelled_grpc_stream_and_closed_sse_free_the_request(server, oracle):
      "sampling_parameters is not valid JSON"),
     ("unknown key", {"text_input": PROMPT, "sampling_parameters": '{"temprature": 0}'}, "temprature"),
     ("negative max_tokens", {"text_input": PROMPT, "parameters": {"max_tokens": -5}}, "max_tokens=-5"),
-    ("too long", {"text_input": "abc " * 300, "parameters": {"max_tokens": 4}}, "max_model_len"),
+    ("too long", {"text_input": "abc " * 3000, "parameters": {"max_tokens": 4}}, "max_model_len"),
 ])
 def test_bad_http_input_is_named_and_server_keeps_serving(server, case, body, message):
     url = f"http://{server.http_url}/v2/models/pagedserve/generate"
