@@ -99,6 +99,7 @@ class TritonPythonModel:
         self.model_name = args["model_name"]
         self.engine = AsyncLLMEngine(config)
         self._ids = itertools.count()
+        self._received_request = False
         self._live: dict[str, _Live] = {}
         """request_id -> its response sender and last cancellation poll; loop thread only."""
         self.loop = asyncio.new_event_loop()
@@ -114,6 +115,7 @@ class TritonPythonModel:
 
     # -- request intake (Triton's thread) ---------------------------------------------------------
     def execute(self, requests: list) -> None:
+        self._received_request = True  # Triton sends requests to a ready model only (see _watch)
         for request in requests:
             sender = request.get_response_sender()
             try:
@@ -188,7 +190,11 @@ class TritonPythonModel:
             if self._drain is None and time.monotonic() - last_ready_poll >= READY_POLL_S:
                 last_ready_poll = time.monotonic()
                 ready = await asyncio.to_thread(self._model_ready)
-                if ready is False and seen_ready:  # before the first True the server is still starting
+                # Before the model was ever ready the server is still starting. A request received
+                # counts as ready too: a SIGTERM within one poll of the first request (0.5 s) must
+                # still drain.
+                seen_ready = seen_ready or self._received_request
+                if ready is False and seen_ready:
                     self._begin_drain("Triton reports the model not ready (server shutdown or unload)")
                 seen_ready = seen_ready or bool(ready)
             if not dead_reported and self._drain is None and not self.engine.is_healthy():
