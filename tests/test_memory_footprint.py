@@ -1,0 +1,184 @@
+"""What a serving process holds beyond the KV blocks in use: each weight once (in the dtype that
+runs), a bounded oneDNN primitive cache, and few malloc arenas (core/layers/onednn_cache.py,
+core/heap.py). Memory is measured as malloc's own count of bytes in use and arenas, not RSS, so
+the checks do not depend on what else runs on the machine."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from pagedserve.core.config import EngineConfig
+from pagedserve.core.engine import LLMEngine
+from pagedserve.core.heap import ARENA_ENV, limit_malloc_arenas
+from pagedserve.core.layers.linear import Linear, _can_pack
+from pagedserve.core.layers.onednn_cache import ONEDNN_CACHE_CAPACITY, bound_onednn_caches
+
+_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def _glibc_has(name: str) -> bool:
+    try:
+        return hasattr(ctypes.CDLL("libc.so.6"), name)
+    except OSError:
+        return False
+
+
+def _run(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in _CACHE_ENV and k != ARENA_ENV}
+    return subprocess.run([sys.executable, "-c", code, *args], env={**base, **(env or {})}, capture_output=True,
+                          text=True, timeout=300, check=True)
+
+
+# -- weights ---------------------------------------------------------------------------------------
+def _checkpoint_numel(path: Path) -> int:
+    total = 0
+    for f in path.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as sf:
+            total += sum(math.prod(sf.get_slice(name).get_shape()) for name in sf.keys())
+    return total
+
+
+def _weight_tensors(model):
+    """Every tensor the decoder holds as a weight (not the rotary tables)."""
+    yield model.embed
+    yield model.norm
+    for layer in model.layers:
+        for f in fields(layer):
+            value = getattr(layer, f.name)
+            if isinstance(value, Linear):
+                yield from (value.weight, value.bias, value.packed)
+            else:
+                yield value
+    for head in model.lm_head:
+        yield from (head.weight, head.bias, head.packed)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama3"])  # untied and tied embeddings
+def test_a_bf16_model_holds_each_weight_once(tiny_model_dir, family):
+    path = tiny_model_dir(family)
+    engine = LLMEngine(EngineConfig.from_dict({"model": str(path), "dtype": "bfloat16", "device": "cpu"}))
+    model = engine.runner.model
+    tensors = [t for t in _weight_tensors(model) if t is not None]
+    # No full-precision load buffer survives loading, rotary tables included.
+    assert {t.dtype for t in tensors} | {model.cos.dtype, model.sin.dtype} == {torch.bfloat16}
+    storages, held = set(), 0
+    for t in tensors:
+        if t.is_mkldnn:  # oneDNN's blocked copy: opaque storage, its own bytes
+            held += t.numel() * t.element_size()
+        elif t.untyped_storage().data_ptr() not in storages:
+            storages.add(t.untyped_storage().data_ptr())
+            held += t.untyped_storage().nbytes()
+    # Each Linear keeps its plain weight or its packed copy, never both.
+    for layer in model.layers:
+        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            assert (linear.weight is None) == (linear.packed is not None)
+    expected = _checkpoint_numel(path) * 2  # bf16
+    if engine.arch.tie_word_embeddings and model.lm_head[0].packed is not None:
+        # The one deliberate second copy: the tied embedding, plain for the lookup and packed for
+        # the LM head (packed, the LM head runs 1.4-1.6x faster: core/models/llama.py).
+        expected += model.embed.numel() * 2
+    assert held == expected
+
+
+# -- oneDNN's primitive caches ------------------------------------------------------------------------
+def test_the_bound_is_a_default_the_operator_can_override(monkeypatch):
+    for name in _CACHE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert bound_onednn_caches() == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(ONEDNN_CACHE_CAPACITY),
+                                     "LRU_CACHE_CAPACITY": str(ONEDNN_CACHE_CAPACITY)}
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    monkeypatch.setenv("DNNL_PRIMITIVE_CACHE_CAPACITY", "500")  # oneDNN's older spelling counts too
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    assert bound_onednn_caches() == {"DNNL_PRIMITIVE_CACHE_CAPACITY": "500", "LRU_CACHE_CAPACITY": "7"}
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in os.environ
+
+
+_MANY_ROW_COUNTS = r"""
+import ctypes, json, os, sys
+import torch
+from pagedserve.core.config import EngineConfig
+from pagedserve.core.engine import LLMEngine
+from pagedserve.core.layers.linear import Linear
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+def in_use():
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+LLMEngine(EngineConfig.from_dict({"model": sys.argv[1], "dtype": "bfloat16", "device": "cpu"}))
+layer = Linear(torch.randn(512, 256).to(torch.bfloat16))
+layer(torch.randn(1, 256).to(torch.bfloat16))
+before = in_use()
+for rows in range(2, 130):  # a serving batch's row count changes whenever a request joins or leaves
+    layer(torch.randn(rows, 256).to(torch.bfloat16))
+print(json.dumps({"grown": in_use() - before, "packed": layer.packed is not None,
+                  "env": {k: os.environ.get(k) for k in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}}))
+"""
+
+
+@pytest.mark.skipif(not _glibc_has("mallinfo2"), reason="needs glibc's mallinfo2 (glibc 2.33+) to count heap bytes")
+def test_the_engine_bounds_what_onednn_keeps_per_row_count(tiny_model_dir):
+    path = str(tiny_model_dir("llama"))
+    bounded = json.loads(_run(_MANY_ROW_COUNTS, path).stdout.splitlines()[-1])
+    if not bounded["packed"]:
+        pytest.skip("this torch build has no oneDNN bf16 packing: no oneDNN primitives to bound")
+    assert bounded["env"] == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(ONEDNN_CACHE_CAPACITY),
+                              "LRU_CACHE_CAPACITY": str(ONEDNN_CACHE_CAPACITY)}
+    # torch's own defaults, set by an operator (whose setting wins): the unbounded growth.
+    unbounded = json.loads(_run(_MANY_ROW_COUNTS, path, env={"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024",
+                                                             "LRU_CACHE_CAPACITY": "1024"}).stdout.splitlines()[-1])
+    assert unbounded["env"]["LRU_CACHE_CAPACITY"] == "1024"
+    if unbounded["grown"] < 128 * 64 * 1024:
+        pytest.skip(f"this oneDNN keeps little per GEMM shape ({unbounded['grown']} bytes for 128 shapes)")
+    # 128 row counts: the bound keeps 32 primitives of them, the default all 128.
+    assert bounded["grown"] < unbounded["grown"] / 2.5, (bounded, unbounded)
+
+
+# -- malloc arenas ------------------------------------------------------------------------------------
+_THREADS_ALLOCATE = r"""
+import ctypes, sys, threading
+from pagedserve.core.heap import limit_malloc_arenas
+applied = limit_malloc_arenas() if sys.argv[1] == "limit" else None
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+all_started = threading.Barrier(7)
+def work():  # six threads alive at once, each allocating: glibc hands each a new arena up to its limit
+    p = libc.malloc(1 << 16)
+    all_started.wait()
+    libc.free(p)
+threads = [threading.Thread(target=work) for _ in range(6)]
+for t in threads:
+    t.start()
+all_started.wait()
+libc.malloc_stats()  # one "Arena N:" block per arena, on stderr
+for t in threads:
+    t.join()
+print(applied)
+"""
+
+
+@pytest.mark.skipif(not _glibc_has("malloc_stats"), reason="arena limits are glibc's")
+def test_engine_threads_share_two_malloc_arenas():
+    def arenas(mode: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+        done = _run(_THREADS_ALLOCATE, mode, env=env)
+        return sum(line.startswith("Arena ") for line in done.stderr.splitlines()), done.stdout.strip()
+
+    assert arenas("limit") == (2, "True")
+    assert arenas("none")[0] >= 4  # glibc's default: a new arena per thread, up to 8 per core
+    assert arenas("limit", env={ARENA_ENV: "3"}) == (3, "False")  # the operator's MALLOC_ARENA_MAX wins
