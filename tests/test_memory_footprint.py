@@ -23,6 +23,7 @@ from pagedserve.core.engine import LLMEngine
 from pagedserve.core.heap import ARENA_ENV, limit_malloc_arenas
 from pagedserve.core.layers.linear import Linear, _can_pack
 from pagedserve.core.layers.onednn_cache import ONEDNN_CACHE_CAPACITY, bound_onednn_caches
+from pagedserve.core.sampling_params import SamplingParams
 
 _CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
@@ -53,15 +54,20 @@ def _weight_tensors(model):
     """Every tensor the decoder holds as a weight (not the rotary tables)."""
     yield model.embed
     yield model.norm
+    linears = list(model.lm_head)
     for layer in model.layers:
         for f in fields(layer):
             value = getattr(layer, f.name)
             if isinstance(value, Linear):
-                yield from (value.weight, value.bias, value.packed)
+                linears.append(value)
             else:
                 yield value
-    for head in model.lm_head:
-        yield from (head.weight, head.bias, head.packed)
+    for linear in linears:
+        yield from (linear.weight, linear.bias, linear.packed, getattr(linear.kernel, "packed", None))
+
+
+def _copies(linear: Linear) -> int:
+    return sum(x is not None for x in (linear.weight, linear.packed, linear.kernel))
 
 
 @pytest.mark.parametrize("family", ["llama", "llama3"])  # untied and tied embeddings
@@ -79,16 +85,45 @@ def test_a_bf16_model_holds_each_weight_once(tiny_model_dir, family):
         elif t.untyped_storage().data_ptr() not in storages:
             storages.add(t.untyped_storage().data_ptr())
             held += t.untyped_storage().nbytes()
-    # Each Linear keeps its plain weight or its packed copy, never both.
-    for layer in model.layers:
-        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            assert (linear.weight is None) == (linear.packed is not None)
+    # Each Linear keeps its plain weight, oneDNN's packed copy or the backend's, never two.
+    for linear in [*model.lm_head, *(getattr(layer, n) for layer in model.layers for n in ("qkv", "o", "gate_up", "down"))]:
+        assert _copies(linear) == 1
     expected = _checkpoint_numel(path) * 2  # bf16
-    if engine.arch.tie_word_embeddings and model.lm_head[0].packed is not None:
-        # The one deliberate second copy: the tied embedding, plain for the lookup and packed for
-        # the LM head (packed, the LM head runs 1.4-1.6x faster: core/models/llama.py).
+    tied = engine.arch.tie_word_embeddings
+    assert (model.embed is None) == (tied and model.embed_rows is not None)
+    if tied and model.embed is not None and model.lm_head[0].weight is None:
+        # Packed by oneDNN (an opaque layout), a tied LM head cannot serve the lookup: the one
+        # deliberate second copy, kept because the packed head runs 1.4-1.6x faster.
         expected += model.embed.numel() * 2
     assert held == expected
+
+
+def test_a_tied_embedding_read_from_the_packed_head_embeds_the_same(tiny_model_dir, monkeypatch):
+    """Where the backend can read rows back from its packed LM head, the tied embedding is looked
+    up there (no plain copy); every logit is then what the plain lookup gives."""
+    import pagedserve.kernels.cpu as cpu_kernels
+
+    settings = {"model": str(tiny_model_dir("llama3")), "dtype": "bfloat16", "device": "cpu"}
+    packed = LLMEngine(EngineConfig.from_dict(settings))
+    if packed.runner.model.embed_rows is None:
+        pytest.skip("the backend packed no LM head it can read rows from here (no AMX)")
+    prepack = cpu_kernels.prepack_linear
+
+    def without_rows(weight):
+        kernel = prepack(weight)
+        if kernel is not None:
+            del kernel.rows
+        return kernel
+
+    monkeypatch.setattr(cpu_kernels, "prepack_linear", without_rows)  # the backend the decoder asks
+    plain = LLMEngine(EngineConfig.from_dict(settings))
+    assert plain.runner.model.embed_rows is None and plain.runner.model.embed is not None
+    prompts = [[5, 17, 300, 42, 7] * 9, list(range(1, 383, 3)), [383, 0, 1]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+    got, want = packed.generate(prompts, params), plain.generate(prompts, params)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert g.logprobs == w.logprobs and g.prompt_logprobs == w.prompt_logprobs  # bit for bit
 
 
 # -- oneDNN's primitive caches ------------------------------------------------------------------------
