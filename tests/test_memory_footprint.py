@@ -126,6 +126,52 @@ def test_a_tied_embedding_read_from_the_packed_head_embeds_the_same(tiny_model_d
         assert g.logprobs == w.logprobs and g.prompt_logprobs == w.prompt_logprobs  # bit for bit
 
 
+_LOAD_WATCHED = r"""
+import json
+from pathlib import Path
+from pagedserve.core.models import loader
+from pagedserve.core.models.default_model import resolve_model_path
+from pagedserve.core.config import EngineConfig
+from pagedserve.core.engine import LLMEngine
+
+shard = str(next(Path(resolve_model_path("default")).glob("*.safetensors")).resolve())
+
+def resident_from_shard():
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 5)
+            if "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's header line
+                inside = len(head) > 5 and head[5].strip() == shard
+            elif inside and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+get, peak, largest = loader._Checkpoint.get, [0], [0]
+def watched(self, name):
+    tensor = get(self, name)
+    largest[0] = max(largest[0], tensor.numel() * 4)
+    peak[0] = max(peak[0], resident_from_shard())
+    return tensor
+loader._Checkpoint.get = watched
+engine = LLMEngine(EngineConfig.from_dict({"model": "default", "dtype": "bfloat16", "device": "cpu"}))
+print(json.dumps({"peak": peak[0], "largest": largest[0], "after": resident_from_shard(),
+                  "size": Path(shard).stat().st_size, "dtype": str(engine.dtype)}))
+"""
+
+
+def test_converting_the_checkpoint_does_not_keep_it_resident():
+    """SmolLM2's fp32 checkpoint loaded in bf16: the fp32 pages read leave as loading goes on
+    (at most CONVERT_HANDLE_BYTES and the tensor being read stay mapped), instead of the whole file
+    staying resident beside the converted weights until the load ends."""
+    from pagedserve.core.models.loader import CONVERT_HANDLE_BYTES
+
+    got = json.loads(_run(_LOAD_WATCHED).stdout.splitlines()[-1])
+    assert got["size"] > 400 << 20 and got["dtype"] == "torch.bfloat16"
+    assert got["peak"] <= CONVERT_HANDLE_BYTES + 2 * got["largest"], got
+    assert got["after"] == 0, got
+
+
 # -- oneDNN's primitive caches ------------------------------------------------------------------------
 def test_the_bound_is_a_default_the_operator_can_override(monkeypatch):
     for name in _CACHE_ENV:
