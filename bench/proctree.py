@@ -75,10 +75,11 @@ def tree_cpu_seconds(root: int) -> float:
 
 
 def memory_breakdown(pid: int) -> dict[str, int]:
-    """Resident bytes of one process by kind of mapping, from /proc/PID/smaps. Anonymous mappings
-    of 1 GiB or more are (in a pagedserve engine) the KV pool: its per-layer tensors are adjacent
-    private mappings the kernel merges into one, together with any large malloc'd blocks that happen
-    to sit beside them. Empty if the process is gone."""
+    """Resident bytes of one process by kind of mapping, from /proc/PID/smaps; empty if the process
+    is gone. In a pagedserve engine the KV pool is one private mapping per layer tensor, allocated
+    one after the other, which the kernel usually merges into one mapping of the pool's size (with
+    any neighbour of the same kind): then it is the "anon >= 1 GiB" part. Another thread's mapping
+    landing between two of them splits it, and the smaller pieces count as "other anon"."""
     parts: dict[str, int] = {}
     kind = "other"
     try:
@@ -95,9 +96,9 @@ def memory_breakdown(pid: int) -> dict[str, int]:
                     elif name == "[heap]":
                         kind = "heap (main malloc arena)"
                     elif not name and end - start >= 1 << 30:
-                        kind = "anon >= 1 GiB (KV pool + merged neighbours)"
+                        kind = "anon >= 1 GiB"
                     else:
-                        kind = "other anon (malloc arenas and large blocks, Python, stacks)"
+                        kind = "other anon"
                 elif head[0] == "Rss:":
                     parts[kind] = parts.get(kind, 0) + int(head[1]) * 1024
     except OSError:

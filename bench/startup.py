@@ -25,8 +25,9 @@ wall time: on a busy machine it, unlike wall time, does not grow with other proc
 --breakdown also times the pieces in fresh interpreters (imports, the C++ kernel load, the engine's
 own phases, a bare tritonserver with no model) so the totals can be read; beside each wall time, the
 CPU time that process used for it (all its threads). It also splits the final RSS of each process
-over 100 MiB by kind of mapping (bench/proctree.memory_breakdown): the KV pool, the heap and other
-anonymous memory (weights, malloc arenas, Python), and the libraries mapped from files.
+over 100 MiB by kind of mapping (bench/proctree.memory_breakdown): anonymous mappings of 1 GiB+
+(the KV pool, unless other mappings split it), the heap, other anonymous memory (weights, malloc
+arenas, Python) and the libraries mapped from files.
 
 vLLM's CPU figures printed for comparison are the ones in issue 15, measured on that issue's host,
 not in this run.
