@@ -9,8 +9,10 @@ milliseconds, so the engine thread calls it only on going idle, never between bu
 glibc also gives a thread that allocates while another holds the lock its own arena, up to 8 per
 core, and each arena keeps its own scattered live chunks and pages. A server has many such threads
 (the engine thread, tokenizer workers, the platform's request threads), while on a CPU host only
-the engine thread allocates much, so two arenas are enough: after `bench/startup.py`'s 64-request
-workload, 1,345 MiB against 1,352 for the Triton process tree, 1,374 against 1,400 for kserve.
+the engine thread allocates much, so two arenas are enough. After `bench/startup.py`'s 64-request
+workload the kserve process held 1,357-1,363 MiB against 1,365-1,372 (the Triton stub: no
+difference); where oneDNN runs the GEMMs and allocates per batch shape, 1,374 against 1,400 MiB
+for kserve and 1,345 against 1,352 for the Triton tree.
 
 Both are no-ops where the C library is not glibc.
 """

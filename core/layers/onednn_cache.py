@@ -1,8 +1,10 @@
 """A bound on oneDNN's primitive caches, whose default keeps growing with every batch size served.
 
-The packed bf16 Linear layers (core/layers/linear.py) run oneDNN, which builds one primitive (JIT
-code and descriptors, ~0.57 MiB each with torch 2.13 on an AMX Xeon, whatever the GEMM's size) per
-distinct GEMM shape: per weight shape and per row count. A serving batch changes its row count
+Where oneDNN runs the bf16 GEMMs (CPUs with AVX512-BF16 but no AMX; on AMX, layers off the AMX
+kernel's blocking, kernels/cpu/linear.py), the packed Linear layers (core/layers/linear.py) call
+oneDNN, which builds one primitive (JIT code and descriptors, ~0.57 MiB each with torch 2.13 on an
+AMX Xeon, whatever the GEMM's size) per distinct GEMM shape: per weight shape and per row count.
+A serving batch changes its row count
 whenever a request joins or leaves, and every prefill chunk has its own. oneDNN keeps up to 1024
 primitives in its primitive cache and ideep (torch's oneDNN layer) as many again in its per-thread
 LRU cache, both holding the same primitives: ~570 MiB that never goes away once enough shapes have
