@@ -4,11 +4,11 @@ Where oneDNN runs the bf16 GEMMs (CPUs with AVX512-BF16 but no AMX; on AMX, laye
 kernel's blocking, kernels/cpu/linear.py), the packed Linear layers (core/layers/linear.py) call
 oneDNN, which builds one primitive (JIT code and descriptors, ~0.57 MiB each with torch 2.13 on an
 AMX Xeon, whatever the GEMM's size) per distinct GEMM shape: per weight shape and per row count.
-A serving batch changes its row count
-whenever a request joins or leaves, and every prefill chunk has its own. oneDNN keeps up to 1024
-primitives in its primitive cache and ideep (torch's oneDNN layer) as many again in its per-thread
-LRU cache, both holding the same primitives: ~570 MiB that never goes away once enough shapes have
-been served. The 64-request W64 workload alone builds 295 (61 row counts x 5 weight shapes, ~165 MiB).
+A serving batch changes its row count whenever a request joins or leaves, and every prefill chunk
+has its own. oneDNN keeps up to 1024 primitives in its primitive cache and ideep (torch's oneDNN
+layer) as many again in its per-thread LRU cache, both holding the same primitives: ~570 MiB that
+never goes away once enough shapes have been served. The 64-request W64 workload alone builds 295
+(61 row counts x 5 weight shapes, ~165 MiB).
 
 Nearly all reuse is within a few steps (every layer of a step runs the same 5 shapes), so a small
 LRU loses almost nothing: replaying W64's GEMM shapes, 32 entries miss 308 times where an unbounded

@@ -223,10 +223,6 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   return y;
 }
 
-}  // namespace pagedserve
-
-namespace pagedserve {
-
 // Rows of W read back from amx_pack_weight's layout: row n sits in group n / 32, tile (n % 32) / 16,
 // column n % 16 of every slice's tile, as 16 bf16 pairs 64 bytes apart. A tied embedding is looked
 // up here, so the model need not keep its plain copy beside the packed LM head.
