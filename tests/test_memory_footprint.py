@@ -1,7 +1,9 @@
 """What a serving process holds beyond the KV blocks in use: each weight once (in the dtype that
-runs), a bounded oneDNN primitive cache, and few malloc arenas (core/layers/onednn_cache.py,
-core/heap.py). Memory is measured as malloc's own count of bytes in use and arenas, not RSS, so
-the checks do not depend on what else runs on the machine."""
+runs; a tied embedding read from the packed LM head where the backend can), no checkpoint left
+resident by loading, a bounded oneDNN primitive cache and few malloc arenas (core/models/,
+core/layers/onednn_cache.py, core/heap.py). Memory is counted by tensor bytes, malloc's own
+counters and the pages of one file's mappings, never by the whole process's RSS, so the checks do
+not depend on what else runs on the machine."""
 
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from safetensors import safe_open
 
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
-from pagedserve.core.heap import ARENA_ENV, limit_malloc_arenas
-from pagedserve.core.layers.linear import Linear, _can_pack
+from pagedserve.core.heap import ARENA_ENV
+from pagedserve.core.layers.linear import Linear
 from pagedserve.core.layers.onednn_cache import ONEDNN_CACHE_CAPACITY, bound_onednn_caches
 from pagedserve.core.sampling_params import SamplingParams
 
