@@ -72,3 +72,35 @@ def tree_cpu_seconds(root: int) -> float:
             continue
         total += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
     return total / ticks
+
+
+def memory_breakdown(pid: int) -> dict[str, int]:
+    """Resident bytes of one process by kind of mapping, from /proc/PID/smaps; empty if the process
+    is gone. In a pagedserve engine the KV pool is one private mapping per layer tensor, allocated
+    one after the other, which the kernel usually merges into one mapping of the pool's size (with
+    any neighbour of the same kind): then it is the "anon >= 1 GiB" part. Another thread's mapping
+    landing between two of them splits it, and the smaller pieces count as "other anon"."""
+    parts: dict[str, int] = {}
+    kind = "other"
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                head = line.split(None, 5)
+                if "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's header line
+                    start, end = (int(x, 16) for x in head[0].split("-"))
+                    name = head[5].strip() if len(head) > 5 else ""
+                    if name.startswith("/") and "(deleted)" not in name and not name.startswith("/dev/shm"):
+                        kind = "files (libraries)"
+                    elif name.startswith("/dev/shm") or name.startswith("/memfd"):
+                        kind = "shared memory"
+                    elif name == "[heap]":
+                        kind = "heap (main malloc arena)"
+                    elif not name and end - start >= 1 << 30:
+                        kind = "anon >= 1 GiB"
+                    else:
+                        kind = "other anon"
+                elif head[0] == "Rss:":
+                    parts[kind] = parts.get(kind, 0) + int(head[1]) * 1024
+    except OSError:
+        return {}
+    return parts

@@ -24,7 +24,10 @@ wall time: on a busy machine it, unlike wall time, does not grow with other proc
 
 --breakdown also times the pieces in fresh interpreters (imports, the C++ kernel load, the engine's
 own phases, a bare tritonserver with no model) so the totals can be read; beside each wall time, the
-CPU time that process used for it (all its threads).
+CPU time that process used for it (all its threads). It also splits the final RSS of each process
+over 100 MiB by kind of mapping (bench/proctree.memory_breakdown): anonymous mappings of 1 GiB+
+(the KV pool, unless other mappings split it), the heap, other anonymous memory (weights, malloc
+arenas, Python) and the libraries mapped from files.
 
 vLLM's CPU figures printed for comparison are the ones in issue 15, measured on that issue's host,
 not in this run.
@@ -50,7 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.common import add_workload_args, environment_line, load_workload  # noqa: E402
-from bench.proctree import process_tree, tree_cpu_seconds, tree_rss  # noqa: E402
+from bench.proctree import memory_breakdown, process_tree, tree_cpu_seconds, tree_rss  # noqa: E402
 from tests.harness.local_ports import free_ports  # noqa: E402
 
 PROMPT = "What is a paged KV cache?"
@@ -182,13 +185,15 @@ class Figures:
     run_peak: int = 0
     after_workload: int = 0
     after_parts: dict[str, int] = field(default_factory=dict)
+    after_memory: dict[str, dict[str, int]] = field(default_factory=dict)
+    """With --breakdown: process name -> resident bytes by kind of mapping, at the end."""
     workload_s: float = float("nan")
     workload_tokens: int = 0
     stalled_to_first_token_s: float = 0.0
     stalled_s: float = 0.0
 
 
-def measure(name: str, model: str, requests, log_dir: Path, timeout: float) -> Figures:
+def measure(name: str, model: str, requests, log_dir: Path, timeout: float, memory: bool = False) -> Figures:
     launcher, fig = make_launcher(name, model), Figures(name)
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as log:
@@ -216,6 +221,11 @@ def measure(name: str, model: str, requests, log_dir: Path, timeout: float) -> F
         time.sleep(SETTLE_S)  # idle: the engine hands freed heap back (core/heap.py)
         sampler.sample()
         fig.after_workload, fig.after_parts = sampler.last, sampler.last_parts
+        if memory:  # where the large processes' memory is, by kind of mapping
+            for pid, pname in process_tree(proc.pid):
+                kinds = memory_breakdown(pid)
+                if sum(kinds.values()) >= 100 << 20:
+                    fig.after_memory[pname] = kinds
         fig.run_peak, fig.stalled_s = sampler.peak, sampler.stalled_s
     finally:
         sampler.done.set()
@@ -332,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="pagedserve-startup-") as tmp:
         for name in names:
-            fig = measure(name, args.model, requests, Path(tmp), args.timeout)
+            fig = measure(name, args.model, requests, Path(tmp), args.timeout, memory=args.breakdown)
             report(fig, len(requests))
             results.append(fig)
     print(f"{'launcher':<10}{'READY s':>9}{'(CPU s)':>9}{'1st token s':>13}{'peak RSS MiB':>14}{'end RSS MiB':>13}")
@@ -352,6 +362,9 @@ def report(fig: Figures, num_requests: int) -> None:
               f"{fig.workload_s:.1f}s; peak RSS {fig.run_peak / mib:.0f} MiB", flush=True)
     print(f"[{fig.launcher}] RSS at the end (idle {SETTLE_S:.0f}s): {fig.after_workload / mib:.0f} MiB ({parts})",
           flush=True)
+    for pname, kinds in fig.after_memory.items():
+        print(f"[{fig.launcher}]   {pname}: " + ", ".join(
+            f"{kind} {size / mib:.0f}" for kind, size in sorted(kinds.items(), key=lambda kv: -kv[1])), flush=True)
     if fig.stalled_s:
         print(f"[{fig.launcher}] WARNING: this process was stopped for {fig.stalled_s:.1f}s during the run "
               f"({fig.stalled_to_first_token_s:.1f}s before the first token): wall times are not valid", flush=True)

@@ -45,7 +45,7 @@ from typing import Any
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.errors import EngineDead, EngineShuttingDown, EngineStepFailed, PagedServeError
-from pagedserve.core.heap import release_free_heap
+from pagedserve.core.heap import limit_malloc_arenas, release_free_heap
 from pagedserve.core.metrics import MetricsSnapshot
 from pagedserve.core.outputs import RequestOutput
 from pagedserve.core.sampling_params import SamplingParams
@@ -117,6 +117,7 @@ class AsyncLLMEngine:
         self._num_active = 0
         """generate() calls in progress (tokenizing, queued or streaming); under _lock."""
         self._consecutive_failures = 0  # engine thread only
+        limit_malloc_arenas()  # before this engine's threads start (core/heap.py)
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagedserve-tokenize")
         self._built = threading.Event()
         self._build_error: BaseException | None = None

@@ -17,6 +17,7 @@ from pagedserve.core.errors import ConfigError, DuplicateRequest, InvalidRequest
 from pagedserve.core.kv_cache.cache_tensors import KVCacheSpec, make_kv_cache_spec
 from pagedserve.core.kv_cache.manager import KVCacheManager, cdiv
 from pagedserve.core.layers.attention import select_attention_backend
+from pagedserve.core.layers.onednn_cache import bound_onednn_caches
 from pagedserve.core.limits import Deadlines, WaitingQueueGuard, max_prompt_chars
 from pagedserve.core.metrics import EngineMetrics
 from pagedserve.core.model_runner import ModelRunner
@@ -100,6 +101,8 @@ class LLMEngine:
                 f"{self.arch.max_position_embeddings}; lower max_model_len"
             )
         self.eos_token_id = self.arch.eos_token_ids[0] if self.arch.eos_token_ids else self.tokenizer.eos_token_id
+        if self.device.type == "cpu":
+            bound_onednn_caches()  # before the first oneDNN primitive: packing the weights
         kernels = select_attention_backend(mc.attention_backend, self.device)
         mark("kernels")
         model = load_decoder(self.model_path, self.arch, self.dtype, self.device, self.max_model_len, kernels)

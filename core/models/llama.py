@@ -69,12 +69,21 @@ class LlamaDecoder:
         rotary = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling, embed.device)
         self.cos, self.sin = rotary.tables(self.dtype)
         self.scale = arch.head_dim**-0.5
+        # A tied embedding whose LM head the backend packed in a layout it reads rows back from
+        # (kernels/cpu/linear.py, AMX) is looked up there, so its plain copy is not kept beside the
+        # packed one (54 MiB for SmolLM2; the same bf16 values, so the same embeddings).
+        self.embed_rows = None
+        if lm_head is embed and getattr(whole.kernel, "rows", None) is not None:
+            self.embed_rows, self.embed = whole.kernel.rows, None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[KVCacheTensors]) -> torch.Tensor:
         """Logits [num_sampled, vocab] (fp32) for batch.logits_indices."""
         ops, eps = self.kernels, self.arch.rms_norm_eps
-        residual = F.embedding(batch.input_ids, self.embed)
+        if self.embed_rows is not None:
+            residual = self.embed_rows(batch.input_ids)
+        else:
+            residual = F.embedding(batch.input_ids, self.embed)
         x = ops.rms_norm(residual, self.layers[0].input_norm, eps)
         for i, (w, kv) in enumerate(zip(self.layers, kv_caches)):
             x = self._attention(x, w, kv, batch, i)

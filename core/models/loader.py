@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -14,8 +15,22 @@ from pagedserve.core.models.arch import ModelArch
 from pagedserve.core.models.llama import LayerWeights, LlamaDecoder
 
 
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+CONVERT_HANDLE_BYTES = 64 << 20
+
+
 class _Checkpoint:
-    """Lazy name -> tensor access across all *.safetensors shards of a directory."""
+    """Lazy name -> tensor access across all *.safetensors shards of a directory.
+
+    A safetensors handle maps its whole shard, and every page a tensor was read through it stays
+    resident while the handle lives. Tensors stored in the wanted dtype are read through the shard's
+    handle, open for the whole load (as before). Tensors that are converted (SmolLM2's fp32 file
+    loaded in bf16) are read through a second handle, replaced after every CONVERT_HANDLE_BYTES read,
+    so their full-precision pages leave as loading goes on: with one handle for everything, the whole
+    513 MiB fp32 file stayed resident beside the bf16 weights until the load ended (engine peak RSS
+    1.2-1.3 GB against 0.75-0.9 GB, same load time). A handle per tensor measured the same peak and
+    0.1 s slower (each open parses the shard's header).
+    """
 
     def __init__(self, path: Path, dtype: torch.dtype, device: torch.device) -> None:
         files = sorted(path.glob("*.safetensors"))
@@ -27,6 +42,8 @@ class _Checkpoint:
                 for name in sf.keys():
                     self._where[name] = f
         self._handles = {f: safe_open(str(f), framework="pt") for f in files}
+        self._converting: tuple[Path, Any] | None = None
+        self._converted_bytes = 0
         self.dtype, self.device = dtype, device
         self.used: set[str] = set()
 
@@ -37,7 +54,19 @@ class _Checkpoint:
         if name not in self._where:
             raise UnsupportedModel(f"checkpoint has no tensor {name!r}; is this a Llama-family model?")
         self.used.add(name)
-        return self._handles[self._where[name]].get_tensor(name).to(device=self.device, dtype=self.dtype)
+        shard = self._where[name]
+        handle = self._handles[shard]
+        if self.device.type == "cpu" and _SAFETENSORS_DTYPES.get(handle.get_slice(name).get_dtype()) == self.dtype:
+            return handle.get_tensor(name)
+        if self._converting is None or self._converting[0] != shard or self._converted_bytes > CONVERT_HANDLE_BYTES:
+            self._converting, self._converted_bytes = (shard, safe_open(str(shard), framework="pt")), 0
+        stored = self._converting[1].get_tensor(name)
+        self._converted_bytes += stored.numel() * stored.element_size()
+        return stored.to(device=self.device, dtype=self.dtype)
+
+    def close_converting(self) -> None:
+        """Drop the converting handle (and the pages read through it) once loading is done."""
+        self._converting = None
 
     def maybe(self, name: str) -> torch.Tensor | None:
         return self.get(name) if self.has(name) else None
@@ -93,4 +122,5 @@ def load_decoder(path: Path, arch: ModelArch, dtype: torch.dtype, device: torch.
     leftovers = [n for n in ckpt.unused() if not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight"]
     if leftovers:
         raise UnsupportedModel(f"checkpoint tensors not understood: {leftovers[:5]} (total {len(leftovers)})")
+    ckpt.close_converting()  # before the LM head is packed
     return LlamaDecoder(arch, embed, layers, norm, lm_head, max_position, kernels)

@@ -223,4 +223,38 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   return y;
 }
 
+// Rows of W read back from amx_pack_weight's layout: row n sits in group n / 32, tile (n % 32) / 16,
+// column n % 16 of every slice's tile, as 16 bf16 pairs 64 bytes apart. A tied embedding is looked
+// up here, so the model need not keep its plain copy beside the packed LM head.
+torch::Tensor amx_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features) {
+  const int64_t K = in_features;
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() && K > 0 && K % kSlice == 0 &&
+                  packed.numel() % (K * kGroup) == 0,
+              "amx_packed_rows: packed must be amx_pack_weight's result for a weight of ", K, " input features");
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1, "amx_packed_rows: ids must be 1-D int64");
+  const int64_t N = packed.numel() / K, M = ids.numel(), slices = K / kSlice;
+  const torch::Tensor idc = ids.contiguous();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < M; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < N, "amx_packed_rows: id ", id[i], " is out of range [0, ", N, ")");
+  }
+  torch::Tensor rows = torch::empty({M, K}, packed.options());
+  const char* p = static_cast<const char*>(packed.data_ptr());
+  char* out = static_cast<char*>(rows.data_ptr());
+  constexpr int64_t kPair = 2 * sizeof(uint16_t);
+  at::parallel_for(0, M, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n = id[i], g = n / kGroup, half = (n % kGroup) / kTile, c = n % kTile;
+      char* row = out + i * K * sizeof(uint16_t);
+      for (int64_t s = 0; s < slices; ++s) {
+        const char* tile = p + ((g * slices + s) * 2 + half) * kTileElems * sizeof(uint16_t);
+        for (int64_t r = 0; r < kTile; ++r) {  // W[n][k0 + 2r], W[n][k0 + 2r + 1]
+          std::memcpy(row + (s * kSlice + 2 * r) * sizeof(uint16_t), tile + (r * kTile + c) * kPair, kPair);
+        }
+      }
+    }
+  });
+  return rows;
+}
+
 }  // namespace pagedserve

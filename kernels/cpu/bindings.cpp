@@ -23,4 +23,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"));
   m.def("amx_linear", &amx_linear, "x @ weight.T (+ bias) in bf16 on AMX, weight from amx_pack_weight.",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
+  m.def("amx_packed_rows", &amx_packed_rows, "Rows ids of the weight amx_pack_weight packed ([len(ids), in]).",
+        py::arg("packed"), py::arg("ids"), py::arg("in_features"));
 }

@@ -46,6 +46,11 @@ def prepack_linear(weight: Tensor) -> Callable[[Tensor, Tensor | None], Tensor] 
     def linear(x: Tensor, bias: Tensor | None) -> Tensor:
         return run(x if x.is_contiguous() else x.contiguous(), packed, bias, out_features)
 
+    def rows(ids: Tensor) -> Tensor:
+        """weight[ids] read back from the packed copy (a tied embedding's lookup)."""
+        return ext.amx_packed_rows(packed, ids, in_features)
+
     linear.packed = packed  # type: ignore[attr-defined]  # for tests and memory accounting
+    linear.rows = rows  # type: ignore[attr-defined]
     return linear
 

@@ -82,3 +82,17 @@ def test_packed_shape_is_checked():
         ext.amx_linear(bf16(2, 64, seed=9), packed, None, 32)
     with pytest.raises(RuntimeError, match="multiple of"):
         ext.amx_pack_weight(bf16(40, 64, seed=10))
+
+
+@needs_amx
+def test_packed_rows_are_the_weight_rows():
+    """A tied embedding's lookup reads the packed LM head back: exactly weight[ids], any order."""
+    w = bf16(96, 64, seed=11)
+    linear = prepack_linear(w)
+    ids = torch.tensor([95, 0, 31, 32, 33, 47, 48, 63, 64, 0, 95])  # group and tile edges, repeats
+    assert torch.equal(linear.rows(ids), w[ids])
+    assert linear.rows(torch.empty(0, dtype=torch.long)).shape == (0, 64)
+    with pytest.raises(RuntimeError, match="out of range"):
+        linear.rows(torch.tensor([96]))
+    with pytest.raises(RuntimeError, match="int64"):
+        linear.rows(torch.tensor([1], dtype=torch.int32))
