@@ -7,6 +7,8 @@ where no test happens to import the offending module:
 * adapters import no private name (`_x`) from core: what they need is core's public API;
 * nothing imports the bare folder names `core`, `kernels`, `adapters` (PyPI has packages by those names);
 * the package imports nothing from tests/ (its harness) or bench/.
+
+core/, kernels/, adapters/ and model_repository/ are the package's folders, under src/pagedserve/.
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "pagedserve"
 PLATFORMS = ("tritonserver", "triton_python_backend_utils", "tritonclient", "pytriton", "kserve", "pydantic",
              "fastapi", "starlette", "uvicorn", "prometheus_client", "grpc")
 
 
 def sources(folder: str) -> list[Path]:
-    return sorted((ROOT / folder).rglob("*.py"))
+    """The Python files of a package folder (src/pagedserve/<folder>) or of bench/ and tests/."""
+    base = ROOT / folder if folder in ("bench", "tests") else PACKAGE / folder
+    assert base.is_dir(), base
+    return sorted(base.rglob("*.py"))
 
 
 def imports(path: Path) -> list[tuple[int, str, tuple[str, ...]]]:
