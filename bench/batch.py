@@ -1,11 +1,11 @@
 """Offline batch job under KV pressure: the `throughput` scheduling policy against `fcfs`; and
 `pagedserve tune`'s chosen setting against the shipped defaults on a latency SLO.
 
-    python bench/batch.py [--num-requests 256] [--num-prefixes 4] [--prefix-len 192] [--suffix-len 16]
+    python -m bench.batch [--num-requests 256] [--num-prefixes 4] [--prefix-len 192] [--suffix-len 16]
                           [--output-lens 4,8,16,32,64] [--num-kv-blocks 60] [--model default]
                           [--dtype float32] [--block-size 16] [--max-num-seqs 128]
                           [--max-num-batched-tokens 1024] [--policies fcfs,throughput] [--threads 1]
-    python bench/batch.py --tune --ttft-p95 SECONDS [--arrival-rate 2] [--num-requests 64] [--max-trials 6]
+    python -m bench.batch --tune --ttft-p95 SECONDS [--arrival-rate 2] [--num-requests 64] [--max-trials 6]
 
 Workload (BatchLLM's setting). `--num-prefixes` long system prompts of `--prefix-len` tokens of
 real English text (distinct slices of the Debian license texts, else a built-in text), each request
@@ -40,10 +40,8 @@ import gc
 import random
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import RunResult, environment_line, print_summary, ratio_line, source_text  # noqa: E402
+from bench.common import RunResult, environment_line, print_summary, ratio_line, source_text
 
 WARMUP_TEXT = "The quick brown fox jumps over the lazy dog. A warm-up request before the clock starts."
 TARGET_RATIO = 1.5

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import platform
 import random
 import time
@@ -26,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from pagedserve.core.validation import parse_json
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "tests" / "data"
 LICENSE_DIR = DATA_DIR / "license-texts"
@@ -179,11 +180,10 @@ def load_workload(path: str | Path | None, tokenizer: Any, verbose: bool = True)
     else:
         p = Path(path)
         try:
-            data = json.loads(p.read_text(encoding="utf-8"))
+            text = p.read_text(encoding="utf-8")
         except OSError as e:
             raise WorkloadError(f"{p}: cannot read the workload file ({e.strerror}); check --workload") from e
-        except json.JSONDecodeError as e:
-            raise WorkloadError(f"{p}: not valid JSON ({e}); check --workload") from e
+        data = parse_json(text, WorkloadError, str(p), "check --workload")
         requests = parse_workload(data, str(p), _vocab_size(tokenizer))
         workload = Workload(p.name, str(data.get("description", "no description")), requests)
     if verbose:

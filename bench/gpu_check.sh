@@ -26,9 +26,9 @@ echo "== 1/3 kernel tests on the GPU (budget 180 s)"
 timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/kernels
 
 echo "== 2/3 decode attention microbenchmark (budget 90 s)"
-timeout 90 "$PY" bench/kvquant.py --decode-microbench
+timeout 90 "$PY" -m bench.kvquant --decode-microbench
 
 echo "== 3/3 throughput: bf16 model, each KV cache dtype in one budget (budget 180 s)"
-timeout 180 "$PY" bench/kvquant.py --dtype bfloat16 --kv-dtypes bf16,int8,fp8_e4m3,fp8_e5m2,fp16
+timeout 180 "$PY" -m bench.kvquant --dtype bfloat16 --kv-dtypes bf16,int8,fp8_e4m3,fp8_e5m2,fp16
 
 echo "gpu_check: done in $((SECONDS - start)) s"

@@ -7,7 +7,7 @@ core/structured_output/masking.py, for both; each library's own CPU apply kernel
 printed last), and advancing 64 grammar states by one token. The 64 states walk 64 different valid
 documents (token by token, as a model would produce them), so no two rows share a state.
 
-    python bench/grammar_backends.py [--batch 64] [--steps 40] [--threads 1]
+    python -m bench.grammar_backends [--batch 64] [--steps 40] [--threads 1]
 
 Prints one line per library and a last line with the ratio (llguidance / xgrammar per-step cost).
 xgrammar is a pagedserve dependency; llguidance is not (`pip install llguidance` to compare).

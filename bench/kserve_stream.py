@@ -1,6 +1,6 @@
 """Streaming throughput through the KServe adapter vs the in-process engine, in one run.
 
-    python bench/kserve_stream.py [--workload PATH] [--num-requests N] [--max-new-tokens N]
+    python -m bench.kserve_stream [--workload PATH] [--num-requests N] [--max-new-tokens N]
                                   [--model default] [--dtype auto] [--max-num-seqs N]
                                   [--max-num-batched-tokens N]
 
@@ -27,16 +27,14 @@ import argparse
 import asyncio
 import gc
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (RunResult, Timer, Workload, WorkloadRequest, add_workload_args,  # noqa: E402
+from bench.common import (RunResult, Timer, Workload, WorkloadRequest, add_workload_args,
                           environment_line, load_workload, print_result, print_summary, ratio_line)
-from bench.throughput import run_pagedserve  # noqa: E402
+from bench.throughput import run_pagedserve
 
 MODEL_NAME = "bench"
 

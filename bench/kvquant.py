@@ -1,8 +1,8 @@
 """KV-cache quantization: concurrency and throughput of bf16 vs int8 KV caches in one memory budget.
 
-    python bench/kvquant.py [--workload PATH] [--num-requests N] [--concurrency 16]
+    python -m bench.kvquant [--workload PATH] [--num-requests N] [--concurrency 16]
                             [--kv-dtypes bf16,int8] [--dtype float32] [--block-size 16]
-    python bench/kvquant.py --decode-microbench      (CUDA only: Triton decode attention GB/s)
+    python -m bench.kvquant --decode-microbench      (CUDA only: Triton decode attention GB/s)
 
 What is compared. One workload (bench/common.py; the 64-request throughput workload by default,
 decoded greedily with EOS ignored) runs once per KV cache dtype, in this process, each time on a
@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (RunResult, Timer, Workload, add_workload_args, environment_line,  # noqa: E402
+from bench.common import (RunResult, Timer, Workload, add_workload_args, environment_line,
                           load_workload, print_result)
 
 WARMUP = [[1, 2, 3, 4, 5, 6, 7, 8] * 4]

@@ -1,6 +1,6 @@
 """Prefix caching: many requests sharing one long system prompt, with caching on vs off.
 
-    python bench/prefix.py [--num-requests 64] [--prefix-len 512] [--suffix-len 32] [--output-len 32]
+    python -m bench.prefix [--num-requests 64] [--prefix-len 512] [--suffix-len 32] [--output-len 32]
                            [--model default] [--dtype auto] [--block-size 16]
                            [--max-num-batched-tokens 1024] [--max-num-seqs 128]
 
@@ -32,8 +32,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench.common import LICENSE_DIR, RunResult, environment_line, print_summary, ratio_line  # noqa: E402
+from bench.common import LICENSE_DIR, RunResult, environment_line, print_summary, ratio_line
 
 APACHE = LICENSE_DIR / "Apache-2.0"
 WARMUP_TEXT = "The quick brown fox jumps over the lazy dog. A warm-up request before the clock starts."

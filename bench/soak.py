@@ -1,7 +1,7 @@
 """A bounded soak of a real `pagedserve kserve` server: abuse and overload for a few minutes, then
 check that nothing leaked and nothing hung.
 
-    python bench/soak.py [--model default] [--duration 180] [--concurrency 8] [--seed 0]
+    python -m bench.soak [--model default] [--duration 180] [--concurrency 8] [--seed 0]
                          [--max-num-seqs 8] [--max-waiting-requests 8] [--num-kv-blocks 512]
 
 What it does. The server runs in a subprocess (bench and server compete for the same CPUs) with a
@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import json
 import random
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -41,9 +40,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import FALLBACK_TEXT  # noqa: E402
-from tests.harness.kserve_launch import start_kserve  # noqa: E402
+from bench.common import FALLBACK_TEXT
+from tests.harness.kserve_launch import start_kserve
 
 MODEL_NAME = "soak"
 WORDS = FALLBACK_TEXT.split()

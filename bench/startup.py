@@ -2,7 +2,7 @@
 `pagedserve kserve` started as commands, timed from the command to READY and to the first token,
 with the resident memory of the whole process tree sampled throughout.
 
-    python bench/startup.py [--launcher triton|kserve|both] [--workload PATH] [--num-requests N]
+    python -m bench.startup [--launcher triton|kserve|both] [--workload PATH] [--num-requests N]
                             [--no-workload] [--breakdown] [--model default]
 
 Per launcher, in this order (one launcher at a time, never two servers at once):
@@ -50,11 +50,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench.common import add_workload_args, environment_line, load_workload  # noqa: E402
-from bench.proctree import memory_breakdown, process_tree, tree_cpu_seconds, tree_rss  # noqa: E402
-from tests.harness.local_ports import free_ports  # noqa: E402
+from bench.common import add_workload_args, environment_line, load_workload
+from bench.proctree import memory_breakdown, process_tree, tree_cpu_seconds, tree_rss
+from tests.harness.local_ports import free_ports
 
 PROMPT = "What is a paged KV cache?"
 MODEL_NAME = "pagedserve"

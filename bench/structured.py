@@ -1,7 +1,7 @@
 """What structured outputs cost: the W64 workload all unconstrained vs half constrained to a JSON
 schema, on one engine, in one run.
 
-    python bench/structured.py [--workload PATH] [--num-requests N]
+    python -m bench.structured [--workload PATH] [--num-requests N]
                                [--max-new-tokens N] [--dtype auto] [--rounds 1] [--apply xgrammar]
 
 Both runs decode the same workload greedily (see bench/common.py; it prints which one ran). In the
@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (RunResult, Timer, Workload, add_workload_args, environment_line,  # noqa: E402
+from bench.common import (RunResult, Timer, Workload, add_workload_args, environment_line,
                           load_workload, print_result, print_summary)
 
 SCHEMA = {

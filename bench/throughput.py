@@ -1,6 +1,6 @@
 """Offline throughput: pagedserve continuous batching vs Hugging Face transformers static batching.
 
-    python bench/throughput.py [--workload PATH] [--num-requests N] [--skip-peer]
+    python -m bench.throughput [--workload PATH] [--num-requests N] [--skip-peer]
                                [--dtype auto] [--max-num-batched-tokens N] [--max-num-seqs N]
 
 What is compared. One workload (see bench/common.py; it prints which one ran) is decoded greedily
@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (RunResult, Timer, Workload, add_workload_args, environment_line,  # noqa: E402
+from bench.common import (RunResult, Timer, Workload, add_workload_args, environment_line,
                           load_workload, print_result, print_summary, ratio_line)
 
 PEER_BATCH_SIZE = 32

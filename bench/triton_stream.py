@@ -1,7 +1,7 @@
 """Serving overhead of the Triton adapter: the workload over gRPC streaming to a real tritonserver,
 against the same engine called in-process, in one run.
 
-    python bench/triton_stream.py [--workload PATH] [--num-requests N] [--max-tokens N]
+    python -m bench.triton_stream [--workload PATH] [--num-requests N] [--max-tokens N]
                                   [--model default] [--engine-json PATH] [--threads N]
 
 What is compared. One workload (bench/common.py; it prints which one ran), decoded greedily with
@@ -31,15 +31,14 @@ import json
 import os
 import queue
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench.common import (RunResult, Timer, add_workload_args, environment_line, load_workload,  # noqa: E402
+from pagedserve.adapters.triton_server.launcher import DEFAULT_REPOSITORY
+
+from bench.common import (RunResult, Timer, add_workload_args, environment_line, load_workload,
                           print_result, print_summary, ratio_line)
-from tests.harness.local_ports import free_ports  # noqa: E402
+from tests.harness.local_ports import free_ports
 
 WARMUP = "The quick brown fox jumps over the lazy dog."
 
@@ -102,7 +101,7 @@ def run_triton(settings: dict, prompts: list[str], lengths: list[int], prompt_to
                log_dir: Path) -> tuple[RunResult, list[str]]:
     import tritonclient.grpc as grpcclient
 
-    from pagedserve.adapters.triton_server.launcher import DEFAULT_REPOSITORY, start_server
+    from pagedserve.adapters.triton_server.launcher import start_server
 
     repo = log_dir / "model_repository"
     shutil.copytree(DEFAULT_REPOSITORY, repo)
@@ -155,7 +154,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_workload_args(ap)
     ap.add_argument("--max-tokens", type=int, default=None, help="cap every request's output length")
     ap.add_argument("--model", default=None, help="override the engine JSON's model (local HF dir or 'default')")
-    ap.add_argument("--engine-json", default=str(ROOT / "model_repository" / "pagedserve" / "1" / "engine.json"),
+    ap.add_argument("--engine-json", default=str(DEFAULT_REPOSITORY / "pagedserve" / "1" / "engine.json"),
                     help="engine settings for both sides (default: the shipped pagedserve model's)")
     ap.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads for both sides")
     ap.add_argument("--triton-first", action="store_true",

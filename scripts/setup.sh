@@ -24,6 +24,9 @@ if [ "${PAGEDSERVE_SETUP_FORCE:-0}" != 1 ] && [ "$(cat "$STAMP" 2>/dev/null)" = 
   : # installed already, from this pyproject.toml and these pins
 else
   rm -f "$STAMP"
+  # Metadata an install before the src/ layout left at the checkout root: with the root on a path
+  # (pytest's pythonpath, `python -m bench.X`) it would shadow the installed distribution's.
+  rm -rf pagedserve.egg-info
   PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
   # torch first, pinned: on a CPU machine 2.13.0 is the wheel on local disk; anything looser makes
   # pip pick a newer release, which is a multi-GB CUDA download.
@@ -41,4 +44,4 @@ fi
 # in the first server or test that starts an engine; returns at once when they are built. Run as a
 # file, not `-m pagedserve.kernels.cpu`: the package would import torch just to check a stamp.
 # Without a compiler the engine runs the pure-torch path, so a failure here is reported, not fatal.
-.venv/bin/python kernels/cpu/build.py --if-needed || true
+.venv/bin/python src/pagedserve/kernels/cpu/build.py --if-needed || true

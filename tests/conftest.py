@@ -1,16 +1,11 @@
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-# The checkout root last (never shadowing installed packages), for the bench helpers tests share.
-sys.path.append(str(Path(__file__).resolve().parents[1]))
-
-from tiny_models import build_tiny_model  # noqa: E402
+from tests.tiny_models import build_tiny_model
 
 # One intra-op thread: the test models are tiny, and OpenMP's thread hand-off costs far more than
 # it saves on them; with servers started by other tests beside this process (2 cores) a second

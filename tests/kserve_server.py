@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from harness.kserve_launch import KServeProcess, start_kserve
+from tests.harness.kserve_launch import KServeProcess, start_kserve
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

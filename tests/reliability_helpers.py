@@ -19,12 +19,15 @@ def kserve_hooks_env(delay: float, fault_file: Path) -> dict[str, str]:
 
 def install_triton_hooks(model_dir: Path, delay: float, fault_file: Path) -> None:
     """Make a test repository's model.py install the hooks before it loads the adapter (the Python
-    backend stub does not take PYTHONPATH from the server's environment)."""
+    backend stub does not take PYTHONPATH from the server's environment, so the hooks module is
+    loaded from its file)."""
     model_py = model_dir / "1" / "model.py"
+    hooks = HOOKS_DIR / "pagedserve_test_hooks.py"
     model_py.write_text(
-        f"import sys\nsys.path.insert(0, {str(HOOKS_DIR)!r})\n"
-        "import pagedserve_test_hooks\n"
-        f"pagedserve_test_hooks.install({delay!r}, {str(fault_file)!r})\n" + model_py.read_text())
+        "import importlib.util\n"
+        f"_spec = importlib.util.spec_from_file_location('pagedserve_test_hooks', {str(hooks)!r})\n"
+        "_hooks = importlib.util.module_from_spec(_spec)\n_spec.loader.exec_module(_hooks)\n"
+        f"_hooks.install({delay!r}, {str(fault_file)!r})\n" + model_py.read_text())
 
 
 def largest_gap(times: list[float]) -> float:

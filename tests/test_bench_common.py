@@ -5,17 +5,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.common import (GENERATED, LICENSE_DIR, LICENSE_TEXTS, W64, RunResult, Workload,  # noqa: E402
+from bench.common import (GENERATED, LICENSE_DIR, LICENSE_TEXTS, W64, RunResult, Workload,
                           WorkloadError, WorkloadRequest, add_workload_args, generate_workload, load_workload, parse_workload, ratio_line,
                           source_text)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class WordTokenizer:

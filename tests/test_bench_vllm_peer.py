@@ -16,10 +16,10 @@ def test_without_vllm_reports_pagedserve_and_no_ratio(tiny_model_dir, tmp_path):
     workload = tmp_path / "w.json"
     workload.write_text(json.dumps({"requests": [{"prompt_ids": [5, 9, 33, 2, 71], "max_new_tokens": 6},
                                                  {"prompt_ids": list(range(40, 70)), "max_new_tokens": 3}]}))
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "vllm_peer.py"), "--model", str(tiny_model_dir("llama")),
+    out = subprocess.run(  # as the docs run it: a module, from the checkout root
+        [sys.executable, "-m", "bench.vllm_peer", "--model", str(tiny_model_dir("llama")),
          "--dtype", "float32", "--workload", str(workload), "--venv", str(tmp_path / "no-venv"), "--no-install"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     ours = next(line for line in lines if line.startswith("[pagedserve]"))
@@ -32,7 +32,6 @@ def test_without_vllm_reports_pagedserve_and_no_ratio(tiny_model_dir, tmp_path):
 
 def test_tree_rss_counts_children():
     """The peak RSS vllm_peer.py reports is bench/proctree.tree_rss of each side's child tree."""
-    sys.path.insert(0, str(ROOT))
     from bench.proctree import tree_rss
 
     def tree_rss_bytes(pid: int) -> int:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oracle import hf_model
-from test_engine_vs_transformers import assert_all_free, make_engine, random_prompts
 from pagedserve.core.sampling_params import SamplingParams
+
+from tests.oracle import hf_model
+from tests.test_engine_vs_transformers import assert_all_free, make_engine, random_prompts
 
 MAX_TOKENS = 24
 

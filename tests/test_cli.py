@@ -6,8 +6,9 @@ import json
 import subprocess
 import sys
 
-from oracle import hf_greedy
 from pagedserve.adapters.cli import main
+
+from tests.oracle import hf_greedy
 
 
 def test_generate_prints_the_greedy_continuation(tiny_model_dir, capsys):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oracle import hf_greedy
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams
+
+from tests.oracle import hf_greedy
 
 FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
 

@@ -103,3 +103,9 @@ def test_dockerfile_builds_cpu_and_cuda_variants():
     assert "ARG DEVICE=cpu" in text and "FROM base-${DEVICE}" in text
     assert "AS base-cpu" in text and "AS base-cuda" in text
     assert 'ENTRYPOINT ["pagedserve", "kserve"]' in text
+    # The image builds from what it copies: every source exists, and the whole package tree (with
+    # its model_repository data) is among them, as pyproject.toml's package-dir names it.
+    copied = [src for line in re.findall(r"^COPY (.+)$", text, re.M) for src in line.split()[:-1]]
+    assert copied and all((ROOT / src).exists() for src in copied), copied
+    assert {"pyproject.toml", "README.md", "src"} <= set(copied)
+    assert 'package-dir = { "" = "src" }' in (ROOT / "pyproject.toml").read_text()

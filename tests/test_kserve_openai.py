@@ -12,11 +12,12 @@ import time
 import httpx
 import openai
 import pytest
-from kserve_server import engine_value, scrape, start_server, with_chat_template
 
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams
+
+from tests.kserve_server import engine_value, scrape, start_server, with_chat_template
 
 pytestmark = pytest.mark.timeout(300)
 

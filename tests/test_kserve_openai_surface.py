@@ -14,8 +14,9 @@ import httpx
 import openai
 import pytest
 import torch
-from kserve_server import start_server, with_chat_template
-from oracle import hf_model
+
+from tests.kserve_server import start_server, with_chat_template
+from tests.oracle import hf_model
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -18,13 +18,14 @@ import time
 import httpx
 import openai
 import pytest
-from kserve_server import ONE_THREAD, engine_value, scrape
-from reliability_helpers import MARKER, assert_no_stall, kserve_hooks_env, largest_gap
 
-from harness.kserve_launch import start_kserve
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams
+
+from tests.harness.kserve_launch import start_kserve
+from tests.kserve_server import ONE_THREAD, engine_value, scrape
+from tests.reliability_helpers import MARKER, assert_no_stall, kserve_hooks_env, largest_gap
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from kserve_server import engine_value, scrape, start_server
 from tritonclient.utils import InferenceServerException
 
 from pagedserve.adapters.engine_metrics import ENGINE_METRICS, MetricKind
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams
+
+from tests.kserve_server import engine_value, scrape, start_server
 
 pytestmark = pytest.mark.timeout(300)
 

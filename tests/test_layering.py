@@ -7,6 +7,8 @@ where no test happens to import the offending module:
 * adapters import no private name (`_x`) from core: what they need is core's public API;
 * nothing imports the bare folder names `core`, `kernels`, `adapters` (PyPI has packages by those names);
 * the package imports nothing from tests/ (its harness) or bench/.
+
+core/, kernels/, adapters/ and model_repository/ are the package's folders, under src/pagedserve/.
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "pagedserve"
 PLATFORMS = ("tritonserver", "triton_python_backend_utils", "tritonclient", "pytriton", "kserve", "pydantic",
              "fastapi", "starlette", "uvicorn", "prometheus_client", "grpc")
 
 
 def sources(folder: str) -> list[Path]:
-    return sorted((ROOT / folder).rglob("*.py"))
+    """The Python files of a package folder (src/pagedserve/<folder>) or of bench/ and tests/."""
+    base = ROOT / folder if folder in ("bench", "tests") else PACKAGE / folder
+    assert base.is_dir(), base
+    return sorted(base.rglob("*.py"))
 
 
 def imports(path: Path) -> list[tuple[int, str, tuple[str, ...]]]:
@@ -73,6 +79,30 @@ def test_the_package_needs_no_test_harness(folder):
     assert bad == []
 
 
+def sys_path_edits(path: Path) -> list[int]:
+    """Lines that change sys.path: a call on it (insert, append, ...) or an assignment to it."""
+    def is_sys_path(node: ast.AST) -> bool:
+        node = node.value if isinstance(node, ast.Subscript) else node
+        return (isinstance(node, ast.Attribute) and node.attr == "path"
+                and isinstance(node.value, ast.Name) and node.value.id == "sys")
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_sys_path(node.func.value):
+            found.append(node.lineno)
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found += [node.lineno for target in targets if is_sys_path(target)]
+    return sorted(found)
+
+
+@pytest.mark.parametrize("folder", ["core", "kernels", "adapters", "model_repository", "bench", "tests"])
+def test_nothing_edits_sys_path(folder):
+    """Imports resolve from the install (src/ on a .pth path line) and, for tests and benchmarks,
+    from the checkout root that pytest's pythonpath or `python -m bench.X` provides (docs/design.md)."""
+    bad = [f"{p.relative_to(ROOT)}:{line}" for p in sources(folder) for line in sys_path_edits(p)]
+    assert bad == []
+
+
 def test_the_rules_catch_a_violation(tmp_path):
     """The checks above can fail: a lazy adapter import and a private core name are both seen."""
     probe = tmp_path / "probe.py"
@@ -81,3 +111,6 @@ def test_the_rules_catch_a_violation(tmp_path):
     found = imports(probe)
     assert (3, "pagedserve.core.cli", ("_engine_args",)) in found
     assert (4, "pagedserve.adapters.kserve.server", ()) in found
+    probe.write_text("import sys\nsys.path.insert(0, 'x')\nsys.path += ['y']\nsys.path[:0] = ['z']\n"
+                     "print(sys.path[0])\n")
+    assert sys_path_edits(probe) == [2, 3, 4]

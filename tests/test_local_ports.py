@@ -2,7 +2,7 @@
 
 import socket
 
-from harness.local_ports import free_ports
+from tests.harness.local_ports import free_ports
 
 
 def test_ports_are_distinct_and_bindable():

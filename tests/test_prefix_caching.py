@@ -14,13 +14,14 @@ import struct
 import pytest
 import torch
 
-from oracle import hf_greedy
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.kv_cache.manager import KVCacheManager
 from pagedserve.core.kv_cache.prefix_hash import ROOT_HASH, extend_block_hashes, hash_block
 from pagedserve.core.request import Request
 from pagedserve.core.sampling_params import SamplingParams
+
+from tests.oracle import hf_greedy
 
 
 # -- helpers -------------------------------------------------------------------------------------------

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oracle import hf_greedy, hf_model
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.errors import InvalidRequest, RequestTooLong
 from pagedserve.core.sampling_params import SamplingParams
+
+from tests.oracle import hf_greedy, hf_model
 
 
 def make_engine(path, **overrides) -> LLMEngine:

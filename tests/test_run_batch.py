@@ -10,11 +10,12 @@ import json
 
 import pytest
 
-from oracle import hf_greedy
 from pagedserve.adapters.kserve.batch import main as run_batch_main
 from pagedserve.adapters.kserve.batch import run_batch
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
+
+from tests.oracle import hf_greedy
 
 
 def completion_line(custom_id, prompt, max_tokens=6, **extra):

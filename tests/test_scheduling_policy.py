@@ -12,7 +12,6 @@ import random
 
 import pytest
 
-from oracle import hf_greedy
 from pagedserve.core.config import EngineConfig, SchedulerConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.errors import ConfigError
@@ -20,6 +19,8 @@ from pagedserve.core.kv_cache.manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.core.scheduler import Scheduler
+
+from tests.oracle import hf_greedy
 
 POLICIES = ("fcfs", "prefix", "throughput")
 

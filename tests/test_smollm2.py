@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from oracle import hf_greedy
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.errors import InvalidRequest
 from pagedserve.core.sampling_params import SamplingParams
+
+from tests.oracle import hf_greedy
 
 pytestmark = pytest.mark.slow
 

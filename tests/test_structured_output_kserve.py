@@ -14,12 +14,13 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from kserve_server import ONE_THREAD, engine_value, scrape
 
-from harness.kserve_launch import start_kserve
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams
+
+from tests.harness.kserve_launch import start_kserve
+from tests.kserve_server import ONE_THREAD, engine_value, scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

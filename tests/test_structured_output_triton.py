@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from harness.local_ports import free_ports
 from pagedserve.adapters.triton_server.launcher import DEFAULT_REPOSITORY, start_server
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams
 
-from triton_helpers import grpc_request, http_post, text_inputs, token_inputs
+from tests.harness.local_ports import free_ports
+from tests.triton_helpers import grpc_request, http_post, text_inputs, token_inputs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from harness.local_ports import free_ports
 from pagedserve.adapters.triton_server.launcher import DEFAULT_REPOSITORY, start_server
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams
 
-from reliability_helpers import MARKER, assert_no_stall, install_triton_hooks, largest_gap
-from triton_helpers import GrpcStream, grpc_request, http_post, scrape, sse_events, text_inputs, wait_for
+from tests.harness.local_ports import free_ports
+from tests.reliability_helpers import MARKER, assert_no_stall, install_triton_hooks, largest_gap
+from tests.triton_helpers import GrpcStream, grpc_request, http_post, scrape, sse_events, text_inputs, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

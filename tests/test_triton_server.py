@@ -16,15 +16,15 @@ import threading
 import numpy as np
 import pytest
 
-from harness.local_ports import free_ports
 from pagedserve.adapters.triton_server.launcher import DEFAULT_REPOSITORY, start_server
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams
 
 from bench.proctree import process_tree
-from triton_helpers import (GrpcStream, MetricsPoller, grpc_request, http_post, scrape,
-                            sse_events, text_inputs, token_inputs, wait_for)
+from tests.harness.local_ports import free_ports
+from tests.triton_helpers import (GrpcStream, MetricsPoller, grpc_request, http_post, scrape,
+                                  sse_events, text_inputs, token_inputs, wait_for)
 
 pytestmark = pytest.mark.timeout(240)
 

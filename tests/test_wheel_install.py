@@ -23,12 +23,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.proctree import process_tree
-from harness.local_ports import free_ports
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams
-from triton_helpers import grpc_request, text_inputs, token_inputs
+
+from bench.proctree import process_tree
+from tests.harness.local_ports import free_ports
+from tests.triton_helpers import grpc_request, text_inputs, token_inputs
 
 pytestmark = pytest.mark.timeout(600)
 

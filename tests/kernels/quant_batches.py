@@ -14,7 +14,8 @@ import torch
 
 from pagedserve.kernels.kv_quant import QUANT_MAX, is_quantized
 from pagedserve.kernels.reference.quant import dequantize_kv, quantize_kv
-from test_reference_attention import make_batch
+
+from tests.kernels.test_reference_attention import make_batch
 
 FLOAT_KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 QUANT_KV_DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]

@@ -12,8 +12,9 @@ import torch
 
 from pagedserve.core.layers.attention import select_attention_backend
 from pagedserve.kernels import cpu, reference
-from quant_batches import QUANT_KV_DTYPES, make_kv_batch
-from test_reference_attention import MIXED, TOLERANCES, dense_attention, make_batch
+
+from tests.kernels.quant_batches import QUANT_KV_DTYPES, make_kv_batch
+from tests.kernels.test_reference_attention import MIXED, TOLERANCES, dense_attention, make_batch
 
 DECODES = [(c, 1) for c in (0, 1, 15, 16, 17, 100, 257, 700)]
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pagedserve.kernels import cpu, reference
-from quant_batches import make_kv_batch
+
+from tests.kernels.quant_batches import make_kv_batch
 
 IMPLEMENTATIONS = ["reference", "cpu", "triton"]
 

@@ -12,8 +12,9 @@ import pagedserve.kernels.reference.attention as ref_attn
 from pagedserve.kernels.kv_quant import MIN_SCALE, QUANT_MAX
 from pagedserve.kernels.reference import paged_attention, reshape_and_cache
 from pagedserve.kernels.reference.quant import dequantize_kv, quantize_kv
-from quant_batches import QUANT_KV_DTYPES, make_kv_batch
-from test_reference_attention import MIXED, TOLERANCES, dense_attention
+
+from tests.kernels.quant_batches import QUANT_KV_DTYPES, make_kv_batch
+from tests.kernels.test_reference_attention import MIXED, TOLERANCES, dense_attention
 
 IDS = [str(d).removeprefix("torch.") for d in QUANT_KV_DTYPES]
 # Round-trip bounds per element, in units of the row's scale: |x - deq| <= max(REL * |x|, ABS * scale).

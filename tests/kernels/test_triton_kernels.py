@@ -26,7 +26,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -e '.
 import pagedserve.kernels.triton.attention as tri_attn  # noqa: E402
 from pagedserve.kernels import reference, triton as tri  # noqa: E402
 from pagedserve.kernels.kv_quant import QUANT_MAX, is_quantized  # noqa: E402
-from quant_batches import FLOAT_KV_DTYPES, QUANT_KV_DTYPES, make_kv_batch  # noqa: E402
+from tests.kernels.quant_batches import FLOAT_KV_DTYPES, QUANT_KV_DTYPES, make_kv_batch  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")

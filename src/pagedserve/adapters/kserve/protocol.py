@@ -17,7 +17,7 @@ and change nothing; any other value is a 400 naming the field (`_refuse`), never
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -28,7 +28,7 @@ from pagedserve.core.errors import InvalidRequest
 from pagedserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedserve.core.structured_output.params import (StructuredOutputParams, json_object_constraint,
                                                       json_schema_constraint, one_constraint)
-from pagedserve.core.validation import check_range
+from pagedserve.core.validation import check_range, parse_json
 
 # Request fields that go to SamplingParams under the same name (OpenAI's and vLLM's extras).
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -302,12 +302,11 @@ def infer_sampling_params(parameters: Any) -> SamplingParams:
 
 
 def _json_object(value: Any, what: str) -> dict[str, Any]:
-    try:
-        obj = json.loads(value) if isinstance(value, str) else value
-    except json.JSONDecodeError as exc:
-        raise OpenAIError(400, f"{what} is not valid JSON: {exc}", param=what) from None
+    """An object of sampling parameters, sent as one or as its JSON text."""
+    error, fix = functools.partial(OpenAIError, 400, param=what), 'send a JSON object such as {"max_tokens": 32}'
+    obj = parse_json(value, error, what, fix) if isinstance(value, str) else value
     if not isinstance(obj, dict):
-        raise OpenAIError(400, f"{what} must be a JSON object of sampling parameters", param=what)
+        raise error(f"{what} must be a JSON object of sampling parameters, got {type(obj).__name__}; {fix}")
     return obj
 
 

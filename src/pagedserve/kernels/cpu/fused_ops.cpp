@@ -49,7 +49,7 @@ struct Io<uint16_t> {
   static PAGEDSERVE_INLINE v16sf round16(v16sf v) { return round_to_bf16x16(v); }
 };
 
-// rms_norm of one row as core/layers/norm.py computes it: h = x.float(); h * rsqrt(mean(h^2) +
+// rms_norm of one row as kernels/reference/layers.py computes it: h = x.float(); h * rsqrt(mean(h^2) +
 // eps), rounded to the model dtype, times the weight (a model-dtype multiply). Loops run 16 lanes
 // at a time, then one at a time over the tail.
 template <typename T>

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.core.errors import ConfigError
+from pagedserve.core.validation import parse_json_object
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,13 +74,8 @@ def _from_jsonl(path: Path, text: str) -> list[WorkloadItem]:
         if not raw.strip():
             continue
         where = f"{path} line {i}"
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{where}: not valid JSON ({exc.msg})") from None
-        if not isinstance(obj, dict):
-            raise ConfigError(f"{where}: expected an object like "
-                              '{"arrival_time": 0.0, "prompt_tokens": 100, "output_tokens": 20}')
+        obj = parse_json_object(raw, ConfigError, where, 'each line is an object such as '
+                                '{"arrival_time": 0.0, "prompt_tokens": 100, "output_tokens": 20}')
         t = obj.get("arrival_time")
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0):
             raise ConfigError(f"{where}: arrival_time={t!r}; expected seconds >= 0")

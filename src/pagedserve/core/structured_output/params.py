@@ -17,12 +17,14 @@ compiles is the compiler's call (compiler.py), and its error names the same fiel
 from __future__ import annotations
 
 import enum
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.core.errors import InvalidRequest
+from pagedserve.core.validation import parse_json
 
 GUIDED_KEYS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 OBJECT_KEYS = ("structured_outputs", "guided_decoding")
@@ -57,10 +59,7 @@ class StructuredOutputParams:
 
 
 def _load_json(text: str, param: str, fix: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidRequest(f"{param} is not valid JSON ({exc.msg} at column {exc.colno}); {fix}", param=param) from None
+    return parse_json(text, functools.partial(InvalidRequest, param=param), param, fix)
 
 
 def json_schema_constraint(schema: Any, param: str) -> StructuredOutputParams:

@@ -40,7 +40,7 @@ from pagedserve.adapters.child_process import stop_process
 from pagedserve.adapters.triton_server.engine_config import MODEL_OVERRIDE_ENV
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
-"""The shipped repository (one model, pagedserve): model_repository/ of a source checkout, or the
+"""The shipped repository (one model, pagedserve): src/pagedserve/model_repository/ of a checkout, or the
 same folder installed as package data (site-packages/pagedserve/model_repository) from a wheel."""
 EXIT_TIMEOUT_S = 30
 """tritonserver's --exit-timeout-secs: one budget for a stopping server to wait for its open HTTP

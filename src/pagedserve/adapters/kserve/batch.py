@@ -36,6 +36,7 @@ from pagedserve.adapters.kserve.errors import error_body, model_not_found, to_op
 from pagedserve.adapters.kserve.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from pagedserve.adapters.kserve.responses import ChatRenderer, CompletionRenderer, _Renderer
 from pagedserve.core.engine_args import add_engine_args, engine_config_from_args
+from pagedserve.core.validation import parse_json_object
 
 URLS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
 BATCH_DEFAULTS = {"scheduling_policy": "throughput", "scheduling_age_bound_s": 86400.0}
@@ -76,13 +77,7 @@ class Job:
 
 
 def parse_line(line_no: int, raw: str) -> BatchLine:
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise BadLine(f"line {line_no}: not valid JSON ({exc.msg} at column {exc.colno}); each line must be "
-                      "one JSON object") from None
-    if not isinstance(obj, dict):
-        raise BadLine(f"line {line_no}: expected a JSON object, got {type(obj).__name__}")
+    obj = parse_json_object(raw, BadLine, f"line {line_no}", "each line must be one JSON object")
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise BadLine(f"line {line_no}: custom_id must be a non-empty string (got {custom_id!r})")
@@ -118,10 +113,7 @@ def completed_keys(output: Path) -> set[str]:
     for i, raw in enumerate(data.decode("utf-8").splitlines(), 1):
         if not raw.strip():
             continue
-        try:
-            rec = json.loads(raw)
-        except json.JSONDecodeError:
-            raise BadLine(f"{output} line {i} is not a result record; pass a fresh -o or fix that file") from None
+        rec = parse_json_object(raw, BadLine, f"{output} line {i} (a result record)", "pass a fresh -o or fix that file")
         keys.add(rec["custom_id"] if rec.get("custom_id") is not None else rec["id"].removeprefix("batch_req_"))
     return keys
 

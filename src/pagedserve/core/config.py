@@ -7,13 +7,12 @@ Triton model.json or CLI flags), rejects unknown keys and names the field, value
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pagedserve.core.errors import ConfigError
-from pagedserve.core.validation import build_strict, check_range
+from pagedserve.core.validation import build_strict, check_range, parse_json
 from pagedserve.kernels.kv_dtypes import KV_CACHE_DTYPE_NAMES
 
 DTYPE_ALIASES = {
@@ -189,12 +188,11 @@ class EngineConfig:
         `overrides` (e.g. command-line flags) replace its keys. Every error names the file."""
         path = Path(path)
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise ConfigError(f"{path}: engine config file not found; put the engine settings "
                               '(e.g. {"model": "default"}) in a JSON file') from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+        data = parse_json(text, ConfigError, str(path), 'it holds one object of settings such as {"model": "default"}')
         if overrides and isinstance(data, dict):
             data = {**data, **overrides}
         try:

@@ -26,6 +26,7 @@ import numpy as np
 from pagedserve.core.errors import InvalidRequest
 from pagedserve.core.outputs import RequestOutput, TokenLogprobs
 from pagedserve.core.sampling_params import SamplingParams
+from pagedserve.core.validation import parse_json_object
 
 RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
                 "return_num_input_tokens", "return_num_output_tokens")
@@ -98,20 +99,14 @@ def sampling_params_from(raw: Mapping[str, Any], extra: Mapping[str, Any] | None
     return SamplingParams.from_dict({**_coerce_strings(dict(raw)), **(extra or {})})
 
 
-def parse_json_object(text: str, name: str) -> dict[str, Any]:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidRequest(f"{name} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
-                             'send a JSON object such as {"max_tokens": 32, "temperature": 0}') from None
-    if not isinstance(data, dict):
-        raise InvalidRequest(f"{name} must be a JSON object, got {type(data).__name__}")
-    return data
+def parse_parameters(text: str, name: str) -> dict[str, Any]:
+    """A JSON object of sampling (or request) parameters, as the client sent it."""
+    return parse_json_object(text, InvalidRequest, name, 'send a JSON object such as {"max_tokens": 32, "temperature": 0}')
 
 
 def split_request_parameters(parameters_json: str | None, inputs: Sequence[str]) -> tuple[dict, dict]:
     """Request `parameters` -> (values for named inputs, sampling keys); Triton's own keys dropped."""
-    params = parse_json_object(parameters_json, "request parameters") if parameters_json else {}
+    params = parse_parameters(parameters_json, "request parameters") if parameters_json else {}
     as_inputs = {k: v for k, v in params.items() if k in inputs}
     sampling = {k: v for k, v in params.items()
                 if k not in inputs and k != TIMEOUT_PARAMETER and not k.startswith(RESERVED_PARAMETER_PREFIX)}
@@ -123,7 +118,7 @@ def timeout_seconds(request_timeout_us: int, parameters_json: str | None) -> flo
     "timeout" (both in microseconds, Triton's unit); None when neither is set."""
     micros: object = request_timeout_us
     if not micros and parameters_json:
-        micros = parse_json_object(parameters_json, "request parameters").get(TIMEOUT_PARAMETER)
+        micros = parse_parameters(parameters_json, "request parameters").get(TIMEOUT_PARAMETER)
     if micros is None or micros == 0:
         return None
     if isinstance(micros, bool) or not isinstance(micros, int) or micros < 0:
@@ -168,7 +163,7 @@ def parse_text_request(tensors: Mapping[str, np.ndarray | None], parameters_json
         flags[name] = False if value is None else parse_bool(value, name)
     sp_tensor = scalar(tensors.get("sampling_parameters"), "sampling_parameters")
     if sp_tensor is not None:
-        sampling = parse_json_object(decode_utf8(sp_tensor, "sampling_parameters"), "sampling_parameters")
+        sampling = parse_parameters(decode_utf8(sp_tensor, "sampling_parameters"), "sampling_parameters")
     for key, value in (from_inputs or {}).items():
         if key in sampling:
             raise InvalidRequest(f"{key} is given twice, as the input {key!r} and as a sampling parameter; send it once")

@@ -1,15 +1,19 @@
-"""Strict construction of frozen dataclasses from untrusted dicts.
+"""Strict construction of frozen dataclasses from untrusted dicts, and of JSON from untrusted text.
 
 Shared by EngineConfig and SamplingParams so every adapter gets the same rules: unknown keys are
 rejected with the list of known ones, and wrong types name the field, the value and the type wanted.
+Every JSON text a client or a user hands us (a request parameter, a batch line, an engine or
+workload file) is parsed by parse_json, so a syntax error reads the same everywhere: what, where
+it stopped parsing, and how to send it right.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from pagedserve.core.errors import PagedServeError
@@ -104,3 +108,22 @@ def check_range(
         rng = f"{'(' if low_open else '['}{lo}, {hi}]"
         raise error_cls(f"{field}={value!r} is out of range: allowed {rng}{'; ' + hint if hint else ''}",
                         param=field)
+
+
+def parse_json(text: str | bytes, error: Callable[[str], Exception], what: str, fix: str = "") -> Any:
+    """json.loads(text), or raise error(message): `what` is not valid JSON, where the parser
+    stopped (the line too when the text has several), then `fix`, how to send it right. `error` is
+    the caller's error type, or a partial of it that fills its other fields (status, param)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno} column {exc.colno}" if "\n" in exc.doc.rstrip() else f"column {exc.colno}"
+        raise error(f"{what} is not valid JSON ({exc.msg} at {where}){'; ' + fix if fix else ''}") from None
+
+
+def parse_json_object(text: str | bytes, error: Callable[[str], Exception], what: str, fix: str = "") -> dict[str, Any]:
+    """parse_json, where only a JSON object will do."""
+    data = parse_json(text, error, what, fix)
+    if not isinstance(data, dict):
+        raise error(f"{what} must be a JSON object, got {type(data).__name__}{'; ' + fix if fix else ''}")
+    return data

@@ -1,0 +1,1 @@
+"""Kernel tests: every kernel against its pure-torch twin (tests/kernels/conftest.py sets the interpreter up)."""
