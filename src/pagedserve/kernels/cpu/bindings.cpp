@@ -25,4 +25,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
   m.def("amx_packed_rows", &amx_packed_rows, "Rows ids of the weight amx_pack_weight packed ([len(ids), in]).",
         py::arg("packed"), py::arg("ids"), py::arg("in_features"));
+  m.def("fp32_linear_available", &fp32_linear_available, "Whether this CPU can run fp32_linear (AVX-512).");
+  m.def("fp32_pack_weight", &fp32_pack_weight, "An fp32 [out, in] weight in fp32_linear's panel layout.",
+        py::arg("weight"));
+  m.def("fp32_linear", &fp32_linear, "x @ weight.T (+ bias) in fp32 on AVX-512, weight from fp32_pack_weight.",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
+  m.def("fp32_packed_rows", &fp32_packed_rows, "Rows ids of the weight fp32_pack_weight packed ([len(ids), in]).",
+        py::arg("packed"), py::arg("ids"), py::arg("in_features"));
 }

@@ -32,4 +32,11 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
                          int64_t out_features);
 torch::Tensor amx_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features);
 
+// fp32_linear.cpp
+bool fp32_linear_available();
+torch::Tensor fp32_pack_weight(torch::Tensor weight);
+torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                          int64_t out_features);
+torch::Tensor fp32_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features);
+
 }  // namespace pagedserve
