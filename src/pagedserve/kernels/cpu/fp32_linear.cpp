@@ -13,114 +13,62 @@
 // in transparent huge pages (huge_pages.cpp). N must be a multiple of 32 (the Python side checks
 // and keeps torch's matmul otherwise); K is free.
 //
-// Compute. A block of up to 12 rows times one panel accumulates in 24 zmm registers (two per row),
-// each output a single fp32 sum over k in order with fused multiply-adds, then adds the bias.
-// Rows are taken in chunks of 96, so a chunk's rows of x stay in L2 while every panel passes.
-// Panels are split across threads.
+// Compute. Blocks of up to 12 rows times one panel (fp32_gemm.h: 24 zmm accumulators, blocked
+// fp32 sums), then the bias. Rows are taken in chunks of 96, so a chunk's rows of x stay in L2
+// while every panel passes. Panels are split across threads.
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
-#include <array>
-#include <utility>
-
+#include "fp32_gemm.h"
 #include "huge_pages.h"
 #include "ops.h"
 
 namespace pagedserve {
 namespace {
 
-constexpr int64_t kPanel = 32;      // output columns per panel (two zmm registers)
-constexpr int64_t kBlockRows = 12;  // rows per register block: 24 accumulators of 32
+constexpr int64_t kPanel = 32;      // output columns per panel (fp32_gemm::kPanel)
 constexpr int64_t kChunkRows = 96;  // rows whose x stays in L2 while all panels pass
-constexpr int64_t kSumBlock = 128;   // k values summed apart before their sum joins the total
 
-bool cpu_has_avx512f() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  return __builtin_cpu_supports("avx512f");
-#else
-  return false;
-#endif
-}
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+using fp32_gemm::kBlockRows;
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PAGEDSERVE_AVX512 __attribute__((target("avx512f")))
-
-// y[0 .. R) x [0 .. 32) = x[0 .. R) @ panel (+ bias). While computing, prefetch into L2 the rows k
-// of `next` (the following panel) with k % every == phase, so the blocks of one panel between them
-// prefetch the next panel once, spread evenly.
-template <int R>
-PAGEDSERVE_AVX512 void panel_block(const float* x, int64_t K, const float* panel, const float* bias, float* y,
-                                   int64_t ldy, const float* next, int64_t phase, int64_t every) {
-  __m512 lo[R], hi[R];
-  int64_t prefetch_k = next != nullptr ? phase : K;
-  for (int64_t k0 = 0; k0 < K; k0 += kSumBlock) {
-#pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
-    const int64_t k1 = std::min(K, k0 + kSumBlock);
-    for (int64_t k = k0; k < k1; ++k) {
-      const float* wk = panel + k * kPanel;
-      if (k == prefetch_k) {
-        _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel + 16), _MM_HINT_T1);
-        prefetch_k += every;
-      }
-      const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
-#pragma GCC unroll 12
-      for (int r = 0; r < R; ++r) {
-        const __m512 xr = _mm512_set1_ps(x[r * K + k]);
-        lo[r] = _mm512_fmadd_ps(xr, w0, lo[r]);
-        hi[r] = _mm512_fmadd_ps(xr, w1, hi[r]);
-      }
-    }
-    // The block's partial sums go into y (the first) or are added to it: two-level summation.
-#pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) {
-      float* yr = y + r * ldy;
-      if (k0 > 0) {
-        lo[r] = _mm512_add_ps(_mm512_loadu_ps(yr), lo[r]);
-        hi[r] = _mm512_add_ps(_mm512_loadu_ps(yr + 16), hi[r]);
-      }
-      _mm512_storeu_ps(yr, lo[r]);
-      _mm512_storeu_ps(yr + 16, hi[r]);
-    }
-  }
-  if (bias == nullptr) return;
-  const __m512 b0 = _mm512_loadu_ps(bias), b1 = _mm512_loadu_ps(bias + 16);
-#pragma GCC unroll 12
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(_mm512_loadu_ps(y + r * ldy), b0));
-    _mm512_storeu_ps(y + r * ldy + 16, _mm512_add_ps(_mm512_loadu_ps(y + r * ldy + 16), b1));
-  }
-}
-
-using BlockFn = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t, const float*, int64_t,
-                         int64_t);
-
-template <int... R>
-constexpr std::array<BlockFn, sizeof...(R)> block_table(std::integer_sequence<int, R...>) {
-  return {&panel_block<R + 1>...};
-}
-
-// Panels [p0, p1) of y for rows [0, M) of x [M, K].
-PAGEDSERVE_AVX512 void fp32_panels(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t K,
-                                   int64_t N, int64_t p0, int64_t p1) {
-  static constexpr auto blocks = block_table(std::make_integer_sequence<int, kBlockRows>{});
+// Panels [p0, p1) of y for rows [0, M), from x packed by pack_x, plus the bias.
+void fp32_panels(const float* xp, const float* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
+                 int64_t p0, int64_t p1) {
   for (int64_t c0 = 0; c0 < M; c0 += kChunkRows) {
     const int64_t c1 = std::min(M, c0 + kChunkRows);
     const int64_t num_blocks = (c1 - c0 + kBlockRows - 1) / kBlockRows;
     for (int64_t p = p0; p < p1; ++p) {
       const float* panel = w + p * K * kPanel;
       const float* next = p + 1 < p1 ? panel + K * kPanel : nullptr;
-      const float* b = bias != nullptr ? bias + p * kPanel : nullptr;
       for (int64_t i = 0; i < num_blocks; ++i) {
         const int64_t r0 = c0 + i * kBlockRows, rows = std::min(kBlockRows, c1 - r0);
-        blocks[rows - 1](x + r0 * K, K, panel, b, y + r0 * N + p * kPanel, N, next, i, num_blocks);
+        fp32_gemm::packed_rows_block(rows, xp + r0 * K, panel, kPanel, K, y + r0 * N + p * kPanel, N,
+                                     {next, i, num_blocks});
+      }
+      if (bias == nullptr) continue;
+      for (int64_t r = c0; r < c1; ++r) {
+        for (int64_t c = 0; c < kPanel; ++c) y[r * N + p * kPanel + c] += bias[p * kPanel + c];
       }
     }
   }
 }
-#define PAGEDSERVE_HAVE_AVX512_LINEAR 1
+
+// x [M, K] with each 12-row block interleaved (fp32_gemm::pack_rows), blocks in row order: block i
+// starts at row 12 i's offset, i * 12 * K.
+torch::Tensor pack_x(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  torch::Tensor packed = torch::empty_like(x);
+  const float* src = x.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, (M + kBlockRows - 1) / kBlockRows, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = b * kBlockRows;
+      fp32_gemm::pack_rows(src + r0 * K, std::min(kBlockRows, M - r0), K, dst + r0 * K);
+    }
+  });
+  return packed;
+}
 #endif
 
 void check_fp32_matrix(const torch::Tensor& t, const char* name) {
@@ -131,8 +79,8 @@ void check_fp32_matrix(const torch::Tensor& t, const char* name) {
 }  // namespace
 
 bool fp32_linear_available() {
-#ifdef PAGEDSERVE_HAVE_AVX512_LINEAR
-  static const bool ok = cpu_has_avx512f();
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+  static const bool ok = fp32_gemm::cpu_supported();
   return ok;
 #else
   return false;
@@ -173,8 +121,9 @@ torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<t
   }
   torch::Tensor y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
-#ifdef PAGEDSERVE_HAVE_AVX512_LINEAR
-  const float* xp = x.data_ptr<float>();
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+  const torch::Tensor x_packed = pack_x(x);
+  const float* xp = x_packed.data_ptr<float>();
   const float* w = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) { fp32_panels(xp, w, b, yp, M, K, N, p0, p1); });
