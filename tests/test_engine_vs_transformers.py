@@ -140,11 +140,14 @@ def test_temperature_sampling_is_seeded_and_valid(tiny_model_dir):
 
 
 def test_lm_head_in_vocabulary_slices_matches_transformers(tiny_model_dir, monkeypatch):
-    """On CPU the LM head runs over vocabulary slices (1024 rows for real models); slices of 100
-    split the tiny 384-token vocabulary unevenly, and the greedy ids must not change."""
+    """On a CPU whose backend packs no fp32 LM head (no AVX-512) it runs over vocabulary slices
+    (1024 rows for real models); slices of 100 split the tiny 384-token vocabulary unevenly, and
+    the greedy ids must not change. The backend's packing is turned off to take that path here."""
     import pagedserve.core.models.llama as llama
+    import pagedserve.kernels.cpu as cpu_kernels
 
     monkeypatch.setattr(llama, "CPU_LM_HEAD_SLICE", 100)
+    monkeypatch.setattr(cpu_kernels, "prepack_linear", lambda weight: None)
     path = tiny_model_dir("llama3")  # tied embeddings: the slices are views of the embedding
     engine = make_engine(path)
     assert len(engine.runner.model.lm_head) == 4

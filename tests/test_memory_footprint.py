@@ -72,14 +72,16 @@ def _copies(linear: Linear) -> int:
     return sum(x is not None for x in (linear.weight, linear.packed, linear.kernel))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # each has its packed kernel
 @pytest.mark.parametrize("family", ["llama", "llama3"])  # untied and tied embeddings
-def test_a_bf16_model_holds_each_weight_once(tiny_model_dir, family):
+def test_a_model_holds_each_weight_once(tiny_model_dir, family, dtype):
     path = tiny_model_dir(family)
-    engine = LLMEngine(EngineConfig.from_dict({"model": str(path), "dtype": "bfloat16", "device": "cpu"}))
+    settings = {"model": str(path), "dtype": str(dtype).removeprefix("torch."), "device": "cpu"}
+    engine = LLMEngine(EngineConfig.from_dict(settings))
     model = engine.runner.model
     tensors = [t for t in _weight_tensors(model) if t is not None]
-    # No full-precision load buffer survives loading, rotary tables included.
-    assert {t.dtype for t in tensors} | {model.cos.dtype, model.sin.dtype} == {torch.bfloat16}
+    # No load buffer of another precision survives loading, rotary tables included.
+    assert {t.dtype for t in tensors} | {model.cos.dtype, model.sin.dtype} == {dtype}
     storages, held = set(), 0
     for t in tensors:
         if t.is_mkldnn:  # oneDNN's blocked copy: opaque storage, its own bytes
@@ -90,25 +92,27 @@ def test_a_bf16_model_holds_each_weight_once(tiny_model_dir, family):
     # Each Linear keeps its plain weight, oneDNN's packed copy or the backend's, never two.
     for linear in [*model.lm_head, *(getattr(layer, n) for layer in model.layers for n in ("qkv", "o", "gate_up", "down"))]:
         assert _copies(linear) == 1
-    expected = _checkpoint_numel(path) * 2  # bf16
+    size = dtype.itemsize
+    expected = _checkpoint_numel(path) * size
     tied = engine.arch.tie_word_embeddings
     assert (model.embed is None) == (tied and model.embed_rows is not None)
     if tied and model.embed is not None and model.lm_head[0].weight is None:
         # Packed by oneDNN (an opaque layout), a tied LM head cannot serve the lookup: the one
         # deliberate second copy, kept because the packed head runs 1.4-1.6x faster.
-        expected += model.embed.numel() * 2
+        expected += model.embed.numel() * size
     assert held == expected
 
 
-def test_a_tied_embedding_read_from_the_packed_head_embeds_the_same(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_tied_embedding_read_from_the_packed_head_embeds_the_same(tiny_model_dir, monkeypatch, dtype):
     """Where the backend can read rows back from its packed LM head, the tied embedding is looked
     up there (no plain copy); every logit is then what the plain lookup gives."""
     import pagedserve.kernels.cpu as cpu_kernels
 
-    settings = {"model": str(tiny_model_dir("llama3")), "dtype": "bfloat16", "device": "cpu"}
+    settings = {"model": str(tiny_model_dir("llama3")), "dtype": dtype, "device": "cpu"}
     packed = LLMEngine(EngineConfig.from_dict(settings))
     if packed.runner.model.embed_rows is None:
-        pytest.skip("the backend packed no LM head it can read rows from here (no AMX)")
+        pytest.skip(f"the backend packed no {dtype} LM head it can read rows from here (bf16: no AMX; fp32: no AVX-512)")
     prepack = cpu_kernels.prepack_linear
 
     def without_rows(weight):

@@ -62,9 +62,10 @@ def test_linear_keeps_only_the_packed_copy():
 
 
 @pytest.mark.parametrize("shape,dtype", [((200, 96), torch.bfloat16), ((64, 48), torch.bfloat16),
-                                         ((64, 64), torch.float32)])
+                                         ((40, 64), torch.float32), ((64, 64), torch.float16)])
 def test_declines_what_it_cannot_run(shape, dtype):
-    """Off the kernel's 32 x 32 blocking, or not bf16: None, and Linear keeps its own path."""
+    """Off a kernel's blocking (32-column groups; bf16 also 32-wide input slices), or a dtype no
+    kernel takes: None, and Linear keeps its own path."""
     w = torch.randn(*shape).to(dtype)
     assert prepack_linear(w) is None
     layer = Linear(w, prepack=prepack_linear)

@@ -12,6 +12,7 @@ import torch
 
 from pagedserve.core.layers.attention import select_attention_backend
 from pagedserve.kernels import cpu, reference
+from pagedserve.kernels.cpu.build import load_extension
 
 from tests.kernels.quant_batches import QUANT_KV_DTYPES, make_kv_batch
 from tests.kernels.test_reference_attention import MIXED, TOLERANCES, dense_attention, make_batch
@@ -124,6 +125,53 @@ def test_bf16_queries_run_through_the_kernel(specs, cache_dtype, monkeypatch):
                           for (c, _), q, k, v in zip(specs, queries, keys, values)])
     torch.testing.assert_close(out.double(), expected, **TOLERANCES[torch.bfloat16])
     torch.testing.assert_close(out, ref, atol=8e-3, rtol=8e-3)
+
+
+def _prefill_kernel_available() -> bool:
+    return bool(load_extension().paged_prefill_attention_available())
+
+
+# fp32 prefill rows over an fp32 cache go through paged_prefill_attention.cpp where the CPU has
+# AVX-512: whole prompts, chunks after a cached prefix, 1-2 row chunks, rows not a multiple of its
+# 12-row blocks, keys not a multiple of its 32-key panels, GQA groups, head_dim 32 / 64 / 128.
+@pytest.mark.skipif(not _prefill_kernel_available(), reason="this CPU has no AVX-512 (the reference SDPA runs)")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size",
+                         [(3, 3, 64, 16), (1, 8, 128, 16), (4, 2, 32, 32), (2, 5, 64, 7), (2, 1, 64, 1)])
+@pytest.mark.parametrize("specs", [[(0, 512)], [(300, 250), (0, 13), (40, 1), (7, 2)], MIXED],
+                         ids=["prompt", "chunks", "mixed"])
+def test_fp32_prefill_rows_run_through_the_prefill_kernel(specs, num_kv_heads, group, head_dim, block_size, threads,
+                                                          monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("fp32 prefill rows fell back to the reference SDPA")
+
+    monkeypatch.setattr(cpu.attention, "prefill_attention", refuse)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, ref = run_both(specs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, block_size=block_size)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_the_prefill_kernel_rejects_what_it_cannot_read():
+    if not _prefill_kernel_available():
+        pytest.skip("this CPU has no AVX-512")
+    args, _ = make_batch([(3, 5)], num_kv_heads=2, group=2, head_dim=64, block_size=16, dtype=torch.float32)
+    call = load_extension().paged_prefill_attention
+    out = torch.empty_like(args["query"])
+    with pytest.raises(RuntimeError, match="float32"):
+        call(out, args["query"], args["key_cache"].to(torch.bfloat16), args["value_cache"], args["block_table"],
+             args["query_start_loc"], args["seq_lens"], 0.1)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        call(out[..., :48].contiguous(), args["query"][..., :48].contiguous(), args["key_cache"][..., :48].contiguous(),
+             args["value_cache"][..., :48].contiguous(), args["block_table"], args["query_start_loc"],
+             args["seq_lens"], 0.1)
+    too_long = args["seq_lens"] + args["block_table"].shape[1] * 16
+    with pytest.raises(RuntimeError, match="more blocks than block_table holds"):
+        call(out, args["query"], args["key_cache"], args["value_cache"], args["block_table"],
+             args["query_start_loc"], too_long, 0.1)
 
 
 def test_batch_checks_run_once_per_batch_and_again_when_it_changes(monkeypatch):

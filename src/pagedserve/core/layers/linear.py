@@ -5,12 +5,12 @@ matmul (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's weight freezi
 call reorders them again. Measured on a 2-core AMX Xeon, the four projections of SmolLM2's 30
 layers with cold weights: 29 -> 18 ms at 1 row, 39 -> 26 ms at 64 rows, 86 -> 78 ms at 256 rows,
 the same at 1024 (packed for 64 rows; packing for 1, 16, 256 or 1024 rows measured no better).
-fp32 weights stay as they are: oneDNN's packed fp32 path and MKL's packed GEMM (packed for one
-batch size only) measured no faster than F.linear. The plain weight is dropped once packed.
+fp32 weights are not repacked for oneDNN: its packed fp32 path and MKL's packed GEMM (packed for
+one batch size only) measured no faster than F.linear. The plain weight is dropped once packed.
 
-A kernel backend may do better still: `prepack` (e.g. pagedserve.kernels.cpu.linear.prepack_linear,
-bf16 on AMX) gets the weight first and, when it returns a function, that function computes the
-layer and neither the plain nor the oneDNN copy is kept.
+A kernel backend may do better still: `prepack` (pagedserve.kernels.cpu.linear.prepack_linear: bf16
+on AMX, fp32 on AVX-512) gets the weight first and, when it returns a function, that function
+computes the layer and neither the plain nor the oneDNN copy is kept.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
-"""CPU attention: decode rows through the C++ kernel, prefill rows through the reference's SDPA.
+"""CPU attention: decode rows through the C++ decode kernel; prefill rows through the C++ prefill
+kernel (fp32, AVX-512) or the reference's SDPA.
 
 The C++ kernel (paged_decode_attention.cpp) covers the hot case: one query row per sequence, with
 or without a sliding window, reading fp32, bf16, int8 or fp8 caches in place (dequantizing with
 the same per-slot or static scales as the reference). It computes in fp32 and takes fp32 or bf16
 queries (bf16: the engine's dtype on AMX / AVX512-BF16 hosts), rounding its bf16 rows once at the
-end, which is what the reference does around its fp32 SDPA. Prefill chunks keep the reference's
-SDPA (GEMM-shaped work); fp16 queries or caches keep the reference path entirely. The contract is
-the reference's (kernels/reference/attention.py).
+end, which is what the reference does around its fp32 SDPA. Prefill chunks over fp32 caches without
+a sliding window go through paged_prefill_attention.cpp (two GEMMs and an exact softmax per block
+of query rows); the others keep the reference's SDPA. fp16 queries or caches keep the reference
+path entirely. The contract is the reference's (kernels/reference/attention.py).
 """
 
 from __future__ import annotations
@@ -57,6 +59,16 @@ def _checked_args(query, key_cache, value_cache, block_table, query_start_loc, s
     return value
 
 
+def _prefill_kernel_runs(query: Tensor, key_cache: Tensor, sliding_window: int | None) -> bool:
+    return (query.dtype == key_cache.dtype == torch.float32 and sliding_window is None
+            and query.shape[-1] % 32 == 0 and _prefill_kernel_available())
+
+
+@functools.lru_cache(maxsize=1)
+def _prefill_kernel_available() -> bool:
+    return bool(load_extension().paged_prefill_attention_available())
+
+
 @functools.lru_cache(maxsize=None)
 def _fp8_table(dtype: torch.dtype) -> Tensor:
     """Every 8-bit code of an fp8 format -> its fp32 value (what ``codes.float()`` gives)."""
@@ -98,10 +110,15 @@ def paged_attention(
         k_codes, v_codes = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     load_extension().paged_decode_attention(out, query, k_codes, v_codes, block_table, query_start_loc, seq_lens,
                                             float(scale), sliding_window or 0, k_scale, v_scale, table)
-    # Prefill rows (left untouched by the kernel) through the reference's SDPA, in bf16 where the
-    # queries and the cache are bf16 (CPU flash attention accumulates in fp32, as Hugging Face's
-    # bf16 SDPA does; measured 2.5-3x faster than fp32 on AMX).
     if max_query_len <= 1:  # decode rows only: the kernel wrote them all
+        return out
+    # Prefill rows (left untouched by the decode kernel): fp32 through the C++ prefill kernel where
+    # it runs (AVX-512; 2-3x torch's CPU flash attention in fp32). Otherwise the reference's SDPA,
+    # in bf16 where the queries and the cache are bf16 (CPU flash attention accumulates in fp32, as
+    # Hugging Face's bf16 SDPA does; measured 2.5-3x faster than fp32 on AMX).
+    if _prefill_kernel_runs(query, key_cache, sliding_window):
+        load_extension().paged_prefill_attention(out, query, key_cache, value_cache, block_table, query_start_loc,
+                                                 seq_lens, float(scale))
         return out
     both_bf16 = query.dtype == key_cache.dtype == torch.bfloat16
     prefill_attention(query, key_cache, value_cache, block_table, starts, lens, q_lens, mode, scale,

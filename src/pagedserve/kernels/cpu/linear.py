@@ -1,56 +1,83 @@
-"""bf16 linear layers on Intel AMX (amx_linear.cpp): weights packed once at load into the tile
-layout the kernel streams, each weight byte read once per call.
+"""Linear layers with weights packed once at load into the layout a kernel streams, each weight
+byte read once per call: bf16 on Intel AMX (amx_linear.cpp), fp32 on AVX-512 (fp32_linear.cpp).
 
-Measured on a 2-core AMX Xeon, SmolLM2-135M's 120 decoder projections with cold weights: 56 rows
-20.6 -> 15.5 ms, one row 15.2 -> 10.9 ms, 512 rows 68.7 -> 58.9 ms against oneDNN's packed bf16
-matmul; in the W64 benchmark the 49152-wide vocabulary projection at decode took 3.7 -> 3.1 ms
-per step (slower than oneDNN with the weights hot in cache, 2.4 vs 1.9 ms, which they never are
-between steps).
+Measured on a 2-core AMX Xeon, SmolLM2-135M's 120 decoder projections with cold weights, bf16:
+56 rows 20.6 -> 15.5 ms, one row 15.2 -> 10.9 ms, 512 rows 68.7 -> 58.9 ms against oneDNN's
+packed bf16 matmul; in the W64 benchmark the 49152-wide vocabulary projection at decode took 3.7
+-> 3.1 ms per step (slower than oneDNN with the weights hot in cache, 2.4 vs 1.9 ms, which they
+never are between steps). fp32 on a 2-core AVX-512 Xeon (no AMX exposed), the same 120
+projections: 37 rows 50.7 -> 32.6 ms, 56 rows 62-67 -> 42-45 ms, 8 rows 35 -> 18 ms against
+MKL's sgemm (F.linear), 1024 rows 730 -> 760 ms (within a few percent: the prefill is
+compute-bound either way).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from pagedserve.kernels.cpu.build import CpuKernelsUnavailable, load_extension
 
-# The kernel's blocking: outputs in groups of 32 columns, inputs in slices of 32.
-_OUT_MULTIPLE = 32
-_IN_MULTIPLE = 32
+
+@dataclass(frozen=True)
+class _PackedKernel:
+    """One kernel's entry points in the extension and the shapes its blocking takes."""
+
+    available: str  # () -> bool
+    pack: str  # (weight) -> packed
+    run: str  # (x, packed, bias, out_features) -> y
+    rows: str  # (packed, ids, in_features) -> weight[ids]
+    out_multiple: int
+    in_multiple: int
 
 
-def amx_available() -> bool:
+_KERNELS = {
+    # Outputs in groups of 32 columns, inputs in slices of 32 (two 16 x 32 bf16 tiles).
+    torch.bfloat16: _PackedKernel("amx_linear_available", "amx_pack_weight", "amx_linear", "amx_packed_rows", 32, 32),
+    # Outputs in panels of 32 columns (two zmm registers); any number of inputs.
+    torch.float32: _PackedKernel("fp32_linear_available", "fp32_pack_weight", "fp32_linear", "fp32_packed_rows", 32, 1),
+}
+
+
+def _available(kernel: _PackedKernel) -> bool:
     try:
-        return bool(load_extension().amx_linear_available())
+        return bool(getattr(load_extension(), kernel.available)())
     except CpuKernelsUnavailable:
         return False
 
 
+def amx_available() -> bool:
+    return _available(_KERNELS[torch.bfloat16])
+
+
+def fp32_available() -> bool:
+    return _available(_KERNELS[torch.float32])
+
+
 def prepack_linear(weight: Tensor) -> Callable[[Tensor, Tensor | None], Tensor] | None:
     """A function (x, bias) -> x @ weight.T + bias over a packed copy of ``weight`` [out, in], or
-    None where the AMX kernel does not apply (not a CPU bf16 matrix, a shape off its blocking,
-    no AMX here); the caller then keeps its own path. (fp32 weights copied into huge pages for
-    F.linear measured within noise, 15.3 vs 15.7 s of W64 decode linears: fp32 is compute-bound.)"""
-    if not (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2):
+    None where no kernel applies (not a CPU bf16 / fp32 matrix, a shape off the kernel's blocking,
+    no AMX for bf16 or no AVX-512 for fp32 here); the caller then keeps its own path."""
+    kernel = _KERNELS.get(weight.dtype)
+    if kernel is None or weight.device.type != "cpu" or weight.dim() != 2:
         return None
     out_features, in_features = weight.shape
-    if out_features % _OUT_MULTIPLE or in_features % _IN_MULTIPLE or not amx_available():
+    if out_features % kernel.out_multiple or in_features % kernel.in_multiple or not _available(kernel):
         return None
     ext = load_extension()
-    packed = ext.amx_pack_weight(weight.contiguous())
-    run = ext.amx_linear
+    packed = getattr(ext, kernel.pack)(weight.contiguous())
+    run, read_rows = getattr(ext, kernel.run), getattr(ext, kernel.rows)
 
     def linear(x: Tensor, bias: Tensor | None) -> Tensor:
         return run(x if x.is_contiguous() else x.contiguous(), packed, bias, out_features)
 
     def rows(ids: Tensor) -> Tensor:
         """weight[ids] read back from the packed copy (a tied embedding's lookup)."""
-        return ext.amx_packed_rows(packed, ids, in_features)
+        return read_rows(packed, ids, in_features)
 
     linear.packed = packed  # type: ignore[attr-defined]  # for tests and memory accounting
     linear.rows = rows  # type: ignore[attr-defined]
     return linear
-

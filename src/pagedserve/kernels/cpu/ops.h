@@ -14,6 +14,12 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
                             int64_t sliding_window, c10::optional<torch::Tensor> k_scale,
                             c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> fp8_lut);
 
+// paged_prefill_attention.cpp
+bool paged_prefill_attention_available();
+void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                             torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_start_loc,
+                             torch::Tensor seq_lens, double scale);
+
 // fused_ops.cpp
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -31,5 +37,12 @@ torch::Tensor amx_pack_weight(torch::Tensor weight);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                          int64_t out_features);
 torch::Tensor amx_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features);
+
+// fp32_linear.cpp
+bool fp32_linear_available();
+torch::Tensor fp32_pack_weight(torch::Tensor weight);
+torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                          int64_t out_features);
+torch::Tensor fp32_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features);
 
 }  // namespace pagedserve
