@@ -110,7 +110,8 @@ class TritonPythonModel:
         """The drain in progress (a concurrent Future), once Triton stopped routing to the model."""
         self._watcher = asyncio.run_coroutine_threadsafe(self._watch(), self.loop)
         labels = {"model": args["model_name"], "version": args["model_version"]}
-        self.metrics = TritonEngineMetrics(pb_utils, lambda: self.engine.metrics, labels)
+        engine = self.engine  # not `self`: a cycle would keep the model to the interpreter's teardown
+        self.metrics = TritonEngineMetrics(pb_utils, lambda: engine.metrics, labels)
         logger.info("pagedserve: model %s (%s contract) ready", args["model_name"], self.allowed_contract)
 
     # -- request intake (Triton's thread) ---------------------------------------------------------
