@@ -108,10 +108,11 @@ class TritonPythonModel:
         self._closing = threading.Event()
         self._drain = None
         """The drain in progress (a concurrent Future), once Triton stopped routing to the model."""
-        self._watcher = asyncio.run_coroutine_threadsafe(self._watch(), self.loop)
         labels = {"model": args["model_name"], "version": args["model_version"]}
         engine = self.engine  # not `self`: a cycle would keep the model to the interpreter's teardown
         self.metrics = TritonEngineMetrics(pb_utils, lambda: engine.metrics, labels)
+        # Last: its readiness polls are calls to Triton too, and must not overlap creating the families.
+        self._watcher = asyncio.run_coroutine_threadsafe(self._watch(), self.loop)
         logger.info("pagedserve: model %s (%s contract) ready", args["model_name"], self.allowed_contract)
 
     # -- request intake (Triton's thread) ---------------------------------------------------------
@@ -190,7 +191,10 @@ class TritonPythonModel:
                     logger.exception("pagedserve: cancellation check of %s failed", request_id)
             if self._drain is None and time.monotonic() - last_ready_poll >= READY_POLL_S:
                 last_ready_poll = time.monotonic()
-                ready = await asyncio.to_thread(self._model_ready)
+                # On this (daemon) thread, like the cancellation polls: a round trip of about 1 ms.
+                # An executor thread would be joined when the stub exits, so one stuck in a call to
+                # a Triton that is tearing down would hold up the exit.
+                ready = self._model_ready()
                 # Before the model was ever ready the server is still starting. A request received
                 # counts as ready too: a SIGTERM within one poll of the first request (0.5 s) must
                 # still drain.
@@ -261,13 +265,15 @@ class TritonPythonModel:
         deadline = time.monotonic() + 5.0
         while self._live and time.monotonic() < deadline:
             time.sleep(0.05)
-        self.metrics.stop()
-        # Let the watcher return before the loop stops: a task left pending is destroyed with the
-        # loop, and asyncio logs "Task was destroyed but it is pending!" on every unload.
+        # Let the watcher return before the loop stops (a task left pending is destroyed with the
+        # loop, and asyncio logs "Task was destroyed but it is pending!"), and before the metrics
+        # are released: a readiness poll still under way beside those calls to Triton once crashed
+        # the stub (a segfault in SendMessage<ModelLoaderMessage>) and Triton with it.
         self._closing.set()
         try:
             self._watcher.result(timeout=CANCEL_POLL_S + 5)
         except Exception:  # noqa: BLE001 - shutting down either way
             logger.warning("pagedserve: the cancellation watcher did not stop cleanly", exc_info=True)
+        self.metrics.stop()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._loop_thread.join(timeout=5)
