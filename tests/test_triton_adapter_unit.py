@@ -324,6 +324,31 @@ def test_one_model_serves_each_contract_through_its_own_object(model, tmp_path):
     assert model.engine.metrics.prompt_tokens_total == len(oracle.tokenize("abc")) + len(ids)
 
 
+def test_stopping_the_metrics_releases_every_family_and_metric():
+    """finalize() stops the metrics, which must let go of every pb_utils family and metric then: the
+    stub deletes each through its channel to Triton, and one left to the interpreter's teardown is
+    deleted after that channel is gone (the stub segfaulted so on every unload). Late refreshes and
+    pokes (a request ending as the model unloads) do nothing."""
+    import weakref
+
+    from pagedserve.adapters.triton_server.metrics import TritonEngineMetrics
+    from pagedserve.core.metrics import EngineMetrics
+
+    engine = EngineMetrics()
+    engine.observe_finished("length", 0.5)  # a labelled counter's metric, created on refresh
+    FakeFamily.created.clear()
+    metrics = TritonEngineMetrics(fake_pb_utils(), engine.snapshot, {"model": "m", "version": "1"}, interval=0.01)
+    metrics.refresh()
+    families = FakeFamily.created
+    assert families["pagedserve:request_success_total"].metrics  # the labelled counter's metric too
+    created = [weakref.ref(x) for family in families.values() for x in (family, *family.metrics)]
+    families.clear()  # the fake's own registry; nothing in the stub keeps one
+    metrics.stop()
+    assert [ref() for ref in created if ref() is not None] == []
+    metrics.poke()
+    metrics.refresh()
+
+
 # -- launcher ------------------------------------------------------------------------------------
 def test_backend_dir_holds_symlinks_and_env_finds_this_python(tmp_path):
     import sysconfig

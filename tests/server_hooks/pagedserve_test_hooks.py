@@ -8,7 +8,8 @@ sitecustomize.py beside it). Product code knows nothing of them.
   kernel would (one fault per file the test writes).
 
 SIGUSR1 makes a server process print every thread's stack (faulthandler): how to see where a
-hung test server waits.
+hung test server waits. A crash (SIGSEGV, SIGABRT, ...) prints "Fatal Python error" and the
+stacks to the server's log: a Triton stub that crashes on its way out does so silently otherwise.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def install(delay: float = 0.0, fault_file: str | None = None) -> None:
     from pagedserve.core import model_runner
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    faulthandler.enable(all_threads=True)
 
     real_execute = model_runner.ModelRunner.execute
 

@@ -84,7 +84,8 @@ class TritonEngineMetrics:
         self.last: MetricsSnapshot | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # stop() refreshes while holding it
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="pagedserve-metrics", daemon=True)
         self._thread.start()
 
@@ -93,10 +94,21 @@ class TritonEngineMetrics:
         self._wake.set()
 
     def stop(self) -> None:
+        """Refresh one last time, then release every metric and family (the model's finalize()).
+
+        The stub deletes each through a message to Triton, which works only while it still
+        serves the model. Left to the interpreter's teardown, they were deleted after that channel
+        was gone: the stub segfaulted in Metric::SaveToSharedMemory on every unload, silently or,
+        once a structured-output request had run, with a crash report Triton's exit waited for."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
-        self.refresh()
+        with self._lock:
+            self.refresh()
+            self._closed = True
+            self.labelled.clear()  # metrics before their families
+            self.metrics.clear()
+            self.families.clear()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -109,6 +121,8 @@ class TritonEngineMetrics:
 
     def refresh(self) -> None:
         with self._lock:
+            if self._closed:
+                return
             snap, last = self.read_snapshot(), self.last
             for m in ENGINE_METRICS:
                 metric, value = self.metrics[m.name], m.read(snap)

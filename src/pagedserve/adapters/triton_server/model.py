@@ -18,6 +18,8 @@ model_repository/<name>/1/model.py imports this class. Per model instance (one s
   Triton itself already refuses new requests then. finalize() drains the same way.
 * A dead engine (repeated step failures) unloads the model (pb_utils.unload_model, as
   vllm_backend does; only in explicit model-control mode), so readiness reports it.
+* Unload: finalize() drains, releases the metric families while the stub can still tell Triton,
+  and lets the stub skip the interpreter's own teardown (see _exit_without_teardown).
 
 The model translates only: the engine batches and schedules.
 """
@@ -25,11 +27,13 @@ The model translates only: the engine batches and schedules.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import itertools
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -57,6 +61,8 @@ test model (one poll per token), while 0.1 s is far below what a client notices.
 FINAL = 1  # pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL (the stub defines it as 1)
 READY_POLL_S = 0.5
 """How often the model asks Triton whether it is still ready (a BLS round trip of about 1 ms)."""
+STUB_EXECUTABLE = "triton_python_backend_stub"
+"""The Python backend's process, which runs this model (and nothing else does)."""
 
 
 def input_bytes(tensors: dict[str, np.ndarray | None]) -> int:
@@ -70,6 +76,28 @@ def input_bytes(tensors: dict[str, np.ndarray | None]) -> int:
         else:
             total += array.nbytes
     return total
+
+
+def _in_triton_stub() -> bool:
+    try:
+        return os.path.basename(os.readlink("/proc/self/exe")) == STUB_EXECUTABLE
+    except OSError:
+        return False
+
+
+def _exit_without_teardown() -> None:
+    """Registered by finalize() in the stub, so it runs once the stub has answered Triton, closed
+    its channel and joined its threads: what is left of the exit is the interpreter's own teardown
+    (torch, transformers, the engine's objects), which returns nothing to the system that the exit
+    does not, and costs 0.3-0.7 s here and 4 s under load, time Triton's unload and shutdown wait
+    for. Exit handlers registered before this one are skipped; logging's is the one that matters."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream has nothing to flush
+            pass
+    os._exit(0)
 
 
 @dataclass(eq=False)
@@ -108,9 +136,11 @@ class TritonPythonModel:
         self._closing = threading.Event()
         self._drain = None
         """The drain in progress (a concurrent Future), once Triton stopped routing to the model."""
-        self._watcher = asyncio.run_coroutine_threadsafe(self._watch(), self.loop)
         labels = {"model": args["model_name"], "version": args["model_version"]}
-        self.metrics = TritonEngineMetrics(pb_utils, lambda: self.engine.metrics, labels)
+        engine = self.engine  # not `self`: a cycle would keep the model to the interpreter's teardown
+        self.metrics = TritonEngineMetrics(pb_utils, lambda: engine.metrics, labels)
+        # Last: its readiness polls are calls to Triton too, and must not overlap creating the families.
+        self._watcher = asyncio.run_coroutine_threadsafe(self._watch(), self.loop)
         logger.info("pagedserve: model %s (%s contract) ready", args["model_name"], self.allowed_contract)
 
     # -- request intake (Triton's thread) ---------------------------------------------------------
@@ -189,7 +219,10 @@ class TritonPythonModel:
                     logger.exception("pagedserve: cancellation check of %s failed", request_id)
             if self._drain is None and time.monotonic() - last_ready_poll >= READY_POLL_S:
                 last_ready_poll = time.monotonic()
-                ready = await asyncio.to_thread(self._model_ready)
+                # On this (daemon) thread, like the cancellation polls: a round trip of about 1 ms.
+                # An executor thread would be joined when the stub exits, so one stuck in a call to
+                # a Triton that is tearing down would hold up the exit.
+                ready = self._model_ready()
                 # Before the model was ever ready the server is still starting. A request received
                 # counts as ready too: a SIGTERM within one poll of the first request (0.5 s) must
                 # still drain.
@@ -260,13 +293,17 @@ class TritonPythonModel:
         deadline = time.monotonic() + 5.0
         while self._live and time.monotonic() < deadline:
             time.sleep(0.05)
-        self.metrics.stop()
-        # Let the watcher return before the loop stops: a task left pending is destroyed with the
-        # loop, and asyncio logs "Task was destroyed but it is pending!" on every unload.
+        # Let the watcher return before the loop stops (a task left pending is destroyed with the
+        # loop, and asyncio logs "Task was destroyed but it is pending!"), and before the metrics
+        # are released: a readiness poll still under way beside those calls to Triton once crashed
+        # the stub (a segfault in SendMessage<ModelLoaderMessage>) and Triton with it.
         self._closing.set()
         try:
             self._watcher.result(timeout=CANCEL_POLL_S + 5)
         except Exception:  # noqa: BLE001 - shutting down either way
             logger.warning("pagedserve: the cancellation watcher did not stop cleanly", exc_info=True)
+        self.metrics.stop()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._loop_thread.join(timeout=5)
+        if _in_triton_stub():
+            atexit.register(_exit_without_teardown)
