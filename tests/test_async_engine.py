@@ -123,14 +123,19 @@ def test_duplicate_request_id_is_rejected(engine_config):
     engine = AsyncLLMEngine(engine_config)
 
     async def main():
-        first = asyncio.ensure_future(collect(engine, "same", [1, 2, 3], SamplingParams(max_tokens=30, **GREEDY)))
-        await asyncio.sleep(0)
-        second = await asyncio.gather(collect(engine, "same", [4, 5], SamplingParams(max_tokens=3)),
-                                      return_exceptions=True)
-        return await first, second[0]
+        # The duplicate goes in once the first has streamed a token, so it is running then (a
+        # duplicate sent right after a short first request could find it finished under load);
+        # 300 tokens leave the first running while the duplicate is refused.
+        tokens, second = [], None
+        async for out in engine.generate("same", [1, 2, 3], SamplingParams(max_tokens=300, **GREEDY)):
+            tokens.extend(out.new_token_ids)
+            if second is None:
+                second = (await asyncio.gather(collect(engine, "same", [4, 5], SamplingParams(max_tokens=3)),
+                                               return_exceptions=True))[0]
+        return tokens, second
 
-    first, second = asyncio.run(main())
-    assert len(first[0]) == 30
+    first_tokens, second = asyncio.run(main())
+    assert len(first_tokens) == 300  # the refused duplicate did not disturb the first
     assert isinstance(second, DuplicateRequest)
     engine.shutdown()
 
