@@ -13,6 +13,7 @@ import torch
 from pagedserve.core.layers.attention import select_attention_backend
 from pagedserve.kernels import cpu, reference
 from pagedserve.kernels.cpu.build import load_extension
+from pagedserve.kernels.cpu.linear import fp32_available
 
 from tests.kernels.quant_batches import QUANT_KV_DTYPES, make_kv_batch
 from tests.kernels.test_reference_attention import MIXED, TOLERANCES, dense_attention, make_batch
@@ -127,14 +128,10 @@ def test_bf16_queries_run_through_the_kernel(specs, cache_dtype, monkeypatch):
     torch.testing.assert_close(out, ref, atol=8e-3, rtol=8e-3)
 
 
-def _prefill_kernel_available() -> bool:
-    return bool(load_extension().paged_prefill_attention_available())
-
-
 # fp32 prefill rows over an fp32 cache go through paged_prefill_attention.cpp where the CPU has
 # AVX-512: whole prompts, chunks after a cached prefix, 1-2 row chunks, rows not a multiple of its
 # 12-row blocks, keys not a multiple of its 32-key panels, GQA groups, head_dim 32 / 64 / 128.
-@pytest.mark.skipif(not _prefill_kernel_available(), reason="this CPU has no AVX-512 (the reference SDPA runs)")
+@pytest.mark.skipif(not fp32_available(), reason="this CPU has no AVX-512 (the reference SDPA runs)")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size",
                          [(3, 3, 64, 16), (1, 8, 128, 16), (4, 2, 32, 32), (2, 5, 64, 7), (2, 1, 64, 1)])
@@ -156,7 +153,7 @@ def test_fp32_prefill_rows_run_through_the_prefill_kernel(specs, num_kv_heads, g
 
 
 def test_the_prefill_kernel_rejects_what_it_cannot_read():
-    if not _prefill_kernel_available():
+    if not fp32_available():
         pytest.skip("this CPU has no AVX-512")
     args, _ = make_batch([(3, 5)], num_kv_heads=2, group=2, head_dim=64, block_size=16, dtype=torch.float32)
     call = load_extension().paged_prefill_attention

@@ -87,9 +87,9 @@ def test_packed_rows_are_the_weight_rows():
 
 
 def test_fp32_packing_checks_its_arguments():
-    ext = load_extension()
-    if not ext.fp32_linear_available():
+    if not fp32_available():
         pytest.skip("this CPU has no AVX-512")
+    ext = load_extension()
     packed = ext.fp32_pack_weight(randn(64, 16, seed=11))
     with pytest.raises(RuntimeError, match="packed must be"):
         ext.fp32_linear(randn(2, 16, seed=12), packed, None, 32)

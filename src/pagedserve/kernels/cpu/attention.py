@@ -20,6 +20,7 @@ from torch import Tensor
 
 from pagedserve.kernels import reference
 from pagedserve.kernels.cpu.build import load_extension
+from pagedserve.kernels.cpu.linear import fp32_available
 from pagedserve.kernels.kv_quant import FP8_DTYPES, scale_mode
 from pagedserve.kernels.reference.attention import check_paged_attention_args, prefill_attention
 
@@ -61,12 +62,7 @@ def _checked_args(query, key_cache, value_cache, block_table, query_start_loc, s
 
 def _prefill_kernel_runs(query: Tensor, key_cache: Tensor, sliding_window: int | None) -> bool:
     return (query.dtype == key_cache.dtype == torch.float32 and sliding_window is None
-            and query.shape[-1] % 32 == 0 and _prefill_kernel_available())
-
-
-@functools.lru_cache(maxsize=1)
-def _prefill_kernel_available() -> bool:
-    return bool(load_extension().paged_prefill_attention_available())
+            and query.shape[-1] % 32 == 0 and fp32_available())
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,8 +8,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window"),
         py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("fp8_lut") = py::none());
-  m.def("paged_prefill_attention_available", &paged_prefill_attention_available,
-        "Whether this CPU can run paged_prefill_attention (AVX-512).");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "Prefill rows (q_len > 1) of a packed varlen batch attending causally over an fp32 paged KV cache.",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
@@ -31,7 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
   m.def("amx_packed_rows", &amx_packed_rows, "Rows ids of the weight amx_pack_weight packed ([len(ids), in]).",
         py::arg("packed"), py::arg("ids"), py::arg("in_features"));
-  m.def("fp32_linear_available", &fp32_linear_available, "Whether this CPU can run fp32_linear (AVX-512).");
+  m.def("fp32_kernels_available", &fp32_kernels_available,
+        "Whether this CPU can run fp32_linear and paged_prefill_attention (AVX-512).");
   m.def("fp32_pack_weight", &fp32_pack_weight, "An fp32 [out, in] weight in fp32_linear's panel layout.",
         py::arg("weight"));
   m.def("fp32_linear", &fp32_linear, "x @ weight.T (+ bias) in fp32 on AVX-512, weight from fp32_pack_weight.",

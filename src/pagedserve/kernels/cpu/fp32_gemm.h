@@ -18,6 +18,7 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define PAGEDSERVE_AVX512 __attribute__((target("avx512f")))
 #define PAGEDSERVE_HAVE_AVX512_GEMM 1
+#endif
 
 namespace pagedserve {
 namespace fp32_gemm {
@@ -26,14 +27,25 @@ constexpr int64_t kPanel = 32;      // columns of a panel: two zmm registers
 constexpr int64_t kBlockRows = 12;  // rows per register block: 24 accumulators
 constexpr int64_t kSumBlock = 128;  // k values summed apart before their sum joins the total
 
+// Whether the block runs here (built for x86-64 by GCC, and the CPU has AVX-512F): the one answer
+// for every kernel built on it.
+inline bool available() {
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+  static const bool ok = __builtin_cpu_supports("avx512f");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+
 // Rows k of `next` (row stride ldp) with k % every == phase are prefetched into L2 during the
 // block, so `every` blocks over one panel prefetch the next panel once, evenly spread.
 struct Prefetch {
   const float* next = nullptr;
   int64_t phase = 0, every = 1;
 };
-
-inline bool cpu_supported() { return __builtin_cpu_supports("avx512f"); }
 
 // y[r * ldy + c] = sum_k x(r, k) * panel[k * ldp + c], r < R, c < 32, where x(r, k) is
 // x[r * ldx + k] (rows as they lie) or, PackedX, x[k * R + r] (rows interleaved by pack_rows: one
@@ -110,6 +122,7 @@ inline void pack_rows(const float* x, int64_t rows, int64_t K, float* out) {
   }
 }
 
+#endif  // PAGEDSERVE_HAVE_AVX512_GEMM
+
 }  // namespace fp32_gemm
 }  // namespace pagedserve
-#endif

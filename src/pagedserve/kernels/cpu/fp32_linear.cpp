@@ -26,11 +26,11 @@
 namespace pagedserve {
 namespace {
 
-constexpr int64_t kPanel = 32;      // output columns per panel (fp32_gemm::kPanel)
+using fp32_gemm::kBlockRows;
+using fp32_gemm::kPanel;
 constexpr int64_t kChunkRows = 96;  // rows whose x stays in L2 while all panels pass
 
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
-using fp32_gemm::kBlockRows;
 
 // Panels [p0, p1) of y for rows [0, M), from x packed by pack_x, plus the bias.
 void fp32_panels(const float* xp, const float* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
@@ -78,14 +78,7 @@ void check_fp32_matrix(const torch::Tensor& t, const char* name) {
 
 }  // namespace
 
-bool fp32_linear_available() {
-#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
-  static const bool ok = fp32_gemm::cpu_supported();
-  return ok;
-#else
-  return false;
-#endif
-}
+bool fp32_kernels_available() { return fp32_gemm::available(); }
 
 torch::Tensor fp32_pack_weight(torch::Tensor weight) {
   check_fp32_matrix(weight, "weight");
@@ -108,7 +101,7 @@ torch::Tensor fp32_pack_weight(torch::Tensor weight) {
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                           int64_t out_features) {
   check_fp32_matrix(x, "x");
-  TORCH_CHECK(fp32_linear_available(), "fp32_linear: this CPU (or build) offers no AVX-512");
+  TORCH_CHECK(fp32_gemm::available(), "fp32_linear: this CPU (or build) offers no AVX-512");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(packed.scalar_type() == torch::kFloat && packed.is_contiguous() && packed.numel() == N * K &&
                   N % kPanel == 0,

@@ -13,6 +13,7 @@ compute-bound either way).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,10 +39,11 @@ _KERNELS = {
     # Outputs in groups of 32 columns, inputs in slices of 32 (two 16 x 32 bf16 tiles).
     torch.bfloat16: _PackedKernel("amx_linear_available", "amx_pack_weight", "amx_linear", "amx_packed_rows", 32, 32),
     # Outputs in panels of 32 columns (two zmm registers); any number of inputs.
-    torch.float32: _PackedKernel("fp32_linear_available", "fp32_pack_weight", "fp32_linear", "fp32_packed_rows", 32, 1),
+    torch.float32: _PackedKernel("fp32_kernels_available", "fp32_pack_weight", "fp32_linear", "fp32_packed_rows", 32, 1),
 }
 
 
+@functools.lru_cache(maxsize=None)
 def _available(kernel: _PackedKernel) -> bool:
     try:
         return bool(getattr(load_extension(), kernel.available)())
@@ -54,6 +56,7 @@ def amx_available() -> bool:
 
 
 def fp32_available() -> bool:
+    """Whether the fp32 kernels (this module's linear layers, attention.py's prefill) run here."""
     return _available(_KERNELS[torch.float32])
 
 

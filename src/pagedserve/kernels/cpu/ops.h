@@ -15,7 +15,6 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
                             c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> fp8_lut);
 
 // paged_prefill_attention.cpp
-bool paged_prefill_attention_available();
 void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                              torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_start_loc,
                              torch::Tensor seq_lens, double scale);
@@ -39,7 +38,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
 torch::Tensor amx_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features);
 
 // fp32_linear.cpp
-bool fp32_linear_available();
+bool fp32_kernels_available();  // fp32_linear and paged_prefill_attention (AVX-512)
 torch::Tensor fp32_pack_weight(torch::Tensor weight);
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                           int64_t out_features);

@@ -27,9 +27,10 @@
 namespace pagedserve {
 namespace {
 
-#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
 using fp32_gemm::kBlockRows;
 using fp32_gemm::kPanel;
+
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Shapes {
@@ -140,19 +141,10 @@ void check_fp32(const torch::Tensor& t, const char* name, int64_t dim) {
 
 }  // namespace
 
-bool paged_prefill_attention_available() {
-#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
-  static const bool ok = fp32_gemm::cpu_supported();
-  return ok;
-#else
-  return false;
-#endif
-}
-
 void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                              torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_start_loc,
                              torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(paged_prefill_attention_available(), "paged_prefill_attention: this CPU (or build) offers no AVX-512");
+  TORCH_CHECK(fp32_gemm::available(), "paged_prefill_attention: this CPU (or build) offers no AVX-512");
   check_fp32(out, "out", 3);
   check_fp32(query, "query", 3);
   check_fp32(key_cache, "key_cache", 4);
