@@ -61,11 +61,11 @@ def test_linear_keeps_only_the_packed_copy():
     torch.testing.assert_close(layer(x).float(), oracle(x, w, None), rtol=8e-3, atol=2e-2)
 
 
-@pytest.mark.parametrize("shape,dtype", [((200, 96), torch.bfloat16), ((64, 48), torch.bfloat16),
+@pytest.mark.parametrize("shape,dtype", [((200, 96), torch.bfloat16), ((64, 47), torch.bfloat16),
                                          ((40, 64), torch.float32), ((64, 64), torch.float16)])
 def test_declines_what_it_cannot_run(shape, dtype):
-    """Off a kernel's blocking (32-column groups; bf16 also 32-wide input slices), or a dtype no
-    kernel takes: None, and Linear keeps its own path."""
+    """Off every kernel's blocking (32-column groups; bf16 also 32-wide input slices on AMX, input
+    pairs on AVX-512), or a dtype no kernel takes: None, and Linear keeps its own path."""
     w = torch.randn(*shape).to(dtype)
     assert prepack_linear(w) is None
     layer = Linear(w, prepack=prepack_linear)

@@ -13,7 +13,7 @@ import torch
 from pagedserve.core.layers.attention import select_attention_backend
 from pagedserve.kernels import cpu, reference
 from pagedserve.kernels.cpu.build import load_extension
-from pagedserve.kernels.cpu.linear import fp32_available
+from pagedserve.kernels.cpu.linear import avx512_available, bf16_fp32_math_available
 
 from tests.kernels.quant_batches import QUANT_KV_DTYPES, make_kv_batch
 from tests.kernels.test_reference_attention import MIXED, TOLERANCES, dense_attention, make_batch
@@ -129,38 +129,64 @@ def test_bf16_queries_run_through_the_kernel(specs, cache_dtype, monkeypatch):
 
 
 # fp32 prefill rows over an fp32 cache go through paged_prefill_attention.cpp where the CPU has
-# AVX-512: whole prompts, chunks after a cached prefix, 1-2 row chunks, rows not a multiple of its
-# 12-row blocks, keys not a multiple of its 32-key panels, GQA groups, head_dim 32 / 64 / 128.
-@pytest.mark.skipif(not fp32_available(), reason="this CPU has no AVX-512 (the reference SDPA runs)")
+# AVX-512, and bf16 rows over a bf16 cache where it also lacks bf16 dot products: whole prompts,
+# chunks after a cached prefix, 1-2 row chunks, rows not a multiple of its 12-row blocks, keys not
+# a multiple of its 32-key panels, GQA groups, head_dim 32 / 64 / 128. bf16 is computed in fp32
+# and rounded once, as the reference's SDPA does: within a bf16 step of it.
+@pytest.mark.skipif(not avx512_available(), reason="this CPU has no AVX-512 (the reference SDPA runs)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size",
                          [(3, 3, 64, 16), (1, 8, 128, 16), (4, 2, 32, 32), (2, 5, 64, 7), (2, 1, 64, 1)])
 @pytest.mark.parametrize("specs", [[(0, 512)], [(300, 250), (0, 13), (40, 1), (7, 2)], MIXED],
                          ids=["prompt", "chunks", "mixed"])
-def test_fp32_prefill_rows_run_through_the_prefill_kernel(specs, num_kv_heads, group, head_dim, block_size, threads,
-                                                          monkeypatch):
+def test_prefill_rows_run_through_the_prefill_kernel(specs, num_kv_heads, group, head_dim, block_size, threads,
+                                                     dtype, monkeypatch):
+    if dtype == torch.bfloat16 and not bf16_fp32_math_available():
+        pytest.skip("this CPU has native bf16: bf16 prefill rows take torch's SDPA")
+
     def refuse(*args, **kwargs):
-        raise AssertionError("fp32 prefill rows fell back to the reference SDPA")
+        raise AssertionError("prefill rows fell back to the reference SDPA")
 
     monkeypatch.setattr(cpu.attention, "prefill_attention", refuse)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out, ref = run_both(specs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, block_size=block_size)
+        out, ref = run_both(specs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, block_size=block_size,
+                            dtype=dtype)
     finally:
         torch.set_num_threads(before)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    tolerance = 2e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out, ref, atol=tolerance, rtol=tolerance)
+
+
+def test_bf16_prefill_rows_take_sdpa_where_bf16_is_native(monkeypatch):
+    """With bf16 dot products (AMX, AVX512-BF16) torch's bf16 SDPA beats fp32 math: it keeps them."""
+    monkeypatch.setattr(cpu.attention, "bf16_fp32_math_available", lambda: True)
+    kernel_runs = cpu.attention._prefill_kernel_runs
+    bf16 = torch.empty(2, 3, 64, dtype=torch.bfloat16)
+    assert kernel_runs(bf16, bf16, None) == avx512_available()
+    monkeypatch.setattr(cpu.attention, "bf16_fp32_math_available", lambda: False)
+    assert not kernel_runs(bf16, bf16, None)
+    calls = []
+    real = cpu.attention.prefill_attention
+    monkeypatch.setattr(cpu.attention, "prefill_attention", lambda *a: calls.append(a[-1]) or real(*a))
+    run_both(MIXED, num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    assert calls == [torch.bfloat16]  # SDPA in bf16, once per batch with prefill rows
 
 
 def test_the_prefill_kernel_rejects_what_it_cannot_read():
-    if not fp32_available():
+    if not avx512_available():
         pytest.skip("this CPU has no AVX-512")
     args, _ = make_batch([(3, 5)], num_kv_heads=2, group=2, head_dim=64, block_size=16, dtype=torch.float32)
     call = load_extension().paged_prefill_attention
     out = torch.empty_like(args["query"])
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="key_cache must be a contiguous 4-D float32 tensor like the query"):
         call(out, args["query"], args["key_cache"].to(torch.bfloat16), args["value_cache"], args["block_table"],
              args["query_start_loc"], args["seq_lens"], 0.1)
+    with pytest.raises(RuntimeError, match="query must be float32 or bfloat16, got float16"):
+        call(out.half(), args["query"].half(), args["key_cache"].half(), args["value_cache"].half(),
+             args["block_table"], args["query_start_loc"], args["seq_lens"], 0.1)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         call(out[..., :48].contiguous(), args["query"][..., :48].contiguous(), args["key_cache"][..., :48].contiguous(),
              args["value_cache"][..., :48].contiguous(), args["block_table"], args["query_start_loc"],

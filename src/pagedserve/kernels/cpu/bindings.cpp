@@ -9,7 +9,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window"),
         py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("fp8_lut") = py::none());
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "Prefill rows (q_len > 1) of a packed varlen batch attending causally over an fp32 paged KV cache.",
+        "Prefill rows (q_len > 1) of a packed varlen batch attending causally over an fp32 or bf16 paged KV cache (query of the same dtype).",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"));
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = weight * rms_norm(residual), in place.",
@@ -29,12 +29,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
   m.def("amx_packed_rows", &amx_packed_rows, "Rows ids of the weight amx_pack_weight packed ([len(ids), in]).",
         py::arg("packed"), py::arg("ids"), py::arg("in_features"));
-  m.def("fp32_kernels_available", &fp32_kernels_available,
-        "Whether this CPU can run fp32_linear and paged_prefill_attention (AVX-512).");
+  m.def("avx512_kernels_available", &avx512_kernels_available,
+        "Whether this CPU can run the fp32 / bf16 linear kernels and paged_prefill_attention (AVX-512F).");
   m.def("fp32_pack_weight", &fp32_pack_weight, "An fp32 [out, in] weight in fp32_linear's panel layout.",
         py::arg("weight"));
   m.def("fp32_linear", &fp32_linear, "x @ weight.T (+ bias) in fp32 on AVX-512, weight from fp32_pack_weight.",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
   m.def("fp32_packed_rows", &fp32_packed_rows, "Rows ids of the weight fp32_pack_weight packed ([len(ids), in]).",
+        py::arg("packed"), py::arg("ids"), py::arg("in_features"));
+  m.def("bf16_pack_weight", &bf16_pack_weight, "A bf16 [out, in] weight in bf16_linear's paired panel layout.",
+        py::arg("weight"));
+  m.def("bf16_linear", &bf16_linear,
+        "x @ weight.T (+ bias) for bf16 x and weight in fp32 math on AVX-512F, weight from bf16_pack_weight.",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
+  m.def("bf16_packed_rows", &bf16_packed_rows, "Rows ids of the weight bf16_pack_weight packed ([len(ids), in]).",
         py::arg("packed"), py::arg("ids"), py::arg("in_features"));
 }

@@ -1,6 +1,7 @@
-// The fp32 register block shared by the fp32 linear layers (fp32_linear.cpp) and the prefill
+// The fp32 register block shared by the AVX-512 linear layers (avx512_linear.cpp) and the prefill
 // attention (paged_prefill_attention.cpp): y[R rows, 32 columns] = x[R, K] @ panel[K, 32] on
-// AVX-512, R = 1 .. 12, in 24 zmm accumulators (two per row).
+// AVX-512F, R = 1 .. 12, in 24 zmm accumulators (two per row). x is fp32; the panel is fp32
+// (Fp32Panel) or bf16 (Bf16PairPanel), widened to fp32 on load: the math is fp32 either way.
 //
 // Each output is a single fp32 sum of fused multiply-adds over k in order, taken in blocks of
 // kSumBlock whose partial sums are then added up (two-level summation: the error grows with
@@ -13,6 +14,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -38,40 +40,83 @@ inline bool available() {
 #endif
 }
 
+// A panel is read in steps of 128 bytes (two cache lines), each holding kK consecutive k values
+// of the 32 columns; load() widens a step to 2 kK fp32 vectors: w[2s], w[2s + 1] = columns 0-15,
+// 16-31 of k value s.
+struct Fp32Panel {
+  using T = float;
+  static constexpr int kK = 1;
+  static constexpr int64_t kStep = 32;  // T values per step
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+  static PAGEDSERVE_AVX512 inline void load(const T* step, __m512* w) {
+    w[0] = _mm512_loadu_ps(step);
+    w[1] = _mm512_loadu_ps(step + 16);
+  }
+#endif
+};
+
+// bf16 values in pairs: 32-bit lane c of a step's first (second) 64 bytes holds column c (16 + c)
+// at k in its low half and at k + 1 in its high half, the layout AVX512-BF16's dot product reads.
+// bf16 is the top half of an fp32, so widening is a shift (k) and a mask (k + 1).
+struct Bf16PairPanel {
+  using T = uint16_t;
+  static constexpr int kK = 2;
+  static constexpr int64_t kStep = 64;
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+  static PAGEDSERVE_AVX512 inline void load(const T* step, __m512* w) {
+    const __m512i a = _mm512_loadu_si512(step), b = _mm512_loadu_si512(step + 32);
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
+    w[1] = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+    w[2] = _mm512_castsi512_ps(_mm512_and_si512(a, high));
+    w[3] = _mm512_castsi512_ps(_mm512_and_si512(b, high));
+  }
+#endif
+};
+
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
 
-// Rows k of `next` (row stride ldp) with k % every == phase are prefetched into L2 during the
-// block, so `every` blocks over one panel prefetch the next panel once, evenly spread.
+// Steps of `next` (step stride ldp, in T values) with step % every == phase are prefetched into
+// L2 during the block, so `every` blocks over one panel prefetch the next panel once, evenly
+// spread.
+template <class Panel>
 struct Prefetch {
-  const float* next = nullptr;
+  const typename Panel::T* next = nullptr;
   int64_t phase = 0, every = 1;
 };
 
-// y[r * ldy + c] = sum_k x(r, k) * panel[k * ldp + c], r < R, c < 32, where x(r, k) is
-// x[r * ldx + k] (rows as they lie) or, PackedX, x[k * R + r] (rows interleaved by pack_rows: one
-// pointer and constant offsets, fewer instructions per k than 12 row pointers).
-template <int R, bool PackedX>
-PAGEDSERVE_AVX512 void block(const float* x, int64_t ldx, const float* panel, int64_t ldp, int64_t K, float* y,
-                             int64_t ldy, Prefetch pf) {
+// y[r * ldy + c] = sum_k x(r, k) * panel(k, c), r < R, c < 32, where panel(k, c) is column c of
+// the k-th value of the panel's steps (ldp T values apart), and x(r, k) is x[r * ldx + k] (rows as
+// they lie) or, PackedX, x[k * R + r] (rows interleaved by pack_rows: one pointer and constant
+// offsets, fewer instructions per k than 12 row pointers). K is a multiple of Panel::kK.
+template <int R, bool PackedX, class Panel>
+PAGEDSERVE_AVX512 void block(const float* x, int64_t ldx, const typename Panel::T* panel, int64_t ldp, int64_t K,
+                             float* y, int64_t ldy, Prefetch<Panel> pf) {
+  constexpr int kK = Panel::kK;
+  static_assert(kSumBlock % kK == 0, "a sum block holds whole steps");
   __m512 lo[R], hi[R];
-  int64_t prefetch_k = pf.next != nullptr ? pf.phase : K;
+  int64_t prefetch_step = pf.next != nullptr ? pf.phase : K;
   for (int64_t k0 = 0; k0 < K; k0 += kSumBlock) {
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
     const int64_t k1 = std::min(K, k0 + kSumBlock);
-    for (int64_t k = k0; k < k1; ++k) {
-      const float* wk = panel + k * ldp;
-      if (k == prefetch_k) {
-        _mm_prefetch(reinterpret_cast<const char*>(pf.next + k * ldp), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(pf.next + k * ldp + 16), _MM_HINT_T1);
-        prefetch_k += pf.every;
+    for (int64_t k = k0; k < k1; k += kK) {
+      const int64_t step = k / kK;
+      if (step == prefetch_step) {
+        _mm_prefetch(reinterpret_cast<const char*>(pf.next + step * ldp), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(pf.next + step * ldp) + 64, _MM_HINT_T1);
+        prefetch_step += pf.every;
       }
-      const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
+      __m512 w[2 * kK];
+      Panel::load(panel + step * ldp, w);
+#pragma GCC unroll 2
+      for (int s = 0; s < kK; ++s) {
 #pragma GCC unroll 12
-      for (int r = 0; r < R; ++r) {
-        const __m512 xr = _mm512_set1_ps(PackedX ? x[k * R + r] : x[r * ldx + k]);
-        lo[r] = _mm512_fmadd_ps(xr, w0, lo[r]);
-        hi[r] = _mm512_fmadd_ps(xr, w1, hi[r]);
+        for (int r = 0; r < R; ++r) {
+          const __m512 xr = _mm512_set1_ps(PackedX ? x[(k + s) * R + r] : x[r * ldx + k + s]);
+          lo[r] = _mm512_fmadd_ps(xr, w[2 * s], lo[r]);
+          hi[r] = _mm512_fmadd_ps(xr, w[2 * s + 1], hi[r]);
+        }
       }
     }
 #pragma GCC unroll 12
@@ -94,31 +139,44 @@ PAGEDSERVE_AVX512 void block(const float* x, int64_t ldx, const float* panel, in
   }
 }
 
-using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, Prefetch);
+template <class Panel>
+using BlockFn = void (*)(const float*, int64_t, const typename Panel::T*, int64_t, int64_t, float*, int64_t,
+                         Prefetch<Panel>);
 
-template <bool PackedX, int... R>
-constexpr std::array<BlockFn, sizeof...(R)> block_table(std::integer_sequence<int, R...>) {
-  return {&block<R + 1, PackedX>...};
+template <bool PackedX, class Panel, int... R>
+constexpr std::array<BlockFn<Panel>, sizeof...(R)> block_table(std::integer_sequence<int, R...>) {
+  return {&block<R + 1, PackedX, Panel>...};
 }
 
-// block<rows> for rows = 1 .. kBlockRows, x's rows as they lie (row stride ldx).
+// block<rows> for rows = 1 .. kBlockRows, x's rows as they lie (row stride ldx), over fp32 panels.
 inline void rows_block(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t ldp, int64_t K,
-                       float* y, int64_t ldy, Prefetch pf = {}) {
-  static constexpr auto table = block_table<false>(std::make_integer_sequence<int, kBlockRows>{});
-  table[rows - 1](x, ldx, panel, ldp, K, y, ldy, pf);
+                       float* y, int64_t ldy) {
+  static constexpr auto table = block_table<false, Fp32Panel>(std::make_integer_sequence<int, kBlockRows>{});
+  table[rows - 1](x, ldx, panel, ldp, K, y, ldy, {});
 }
 
-// The same over rows packed by pack_rows.
-inline void packed_rows_block(int64_t rows, const float* packed, const float* panel, int64_t ldp, int64_t K,
-                              float* y, int64_t ldy, Prefetch pf = {}) {
-  static constexpr auto table = block_table<true>(std::make_integer_sequence<int, kBlockRows>{});
+// The same over rows packed by pack_rows and a panel of either kind.
+template <class Panel>
+inline void packed_rows_block(int64_t rows, const float* packed, const typename Panel::T* panel, int64_t ldp,
+                              int64_t K, float* y, int64_t ldy, Prefetch<Panel> pf = {}) {
+  static constexpr auto table = block_table<true, Panel>(std::make_integer_sequence<int, kBlockRows>{});
   table[rows - 1](packed, 0, panel, ldp, K, y, ldy, pf);
 }
 
-// Rows [0, rows) of x [.., K] (row stride K) interleaved for packed_rows_block: out[k * rows + r].
-inline void pack_rows(const float* x, int64_t rows, int64_t K, float* out) {
+inline float widen(float v) { return v; }
+inline float widen(uint16_t bf16) {  // bf16 is the top half of an fp32
+  const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+// Rows [0, rows) of x [.., K] (row stride K; fp32, or bf16 as uint16_t) interleaved in fp32 for
+// packed_rows_block: out[k * rows + r].
+template <class X>
+inline void pack_rows(const X* x, int64_t rows, int64_t K, float* out) {
   for (int64_t k = 0; k < K; ++k) {
-    for (int64_t r = 0; r < rows; ++r) out[k * rows + r] = x[r * K + k];
+    for (int64_t r = 0; r < rows; ++r) out[k * rows + r] = widen(x[r * K + k]);
   }
 }
 

@@ -1,5 +1,6 @@
 """Linear layers with weights packed once at load into the layout a kernel streams, each weight
-byte read once per call: bf16 on Intel AMX (amx_linear.cpp), fp32 on AVX-512 (fp32_linear.cpp).
+byte read once per call: bf16 on Intel AMX (amx_linear.cpp), fp32 on AVX-512 and bf16 on AVX-512
+without native bf16 (avx512_linear.cpp, fp32 math).
 
 Measured on a 2-core AMX Xeon, SmolLM2-135M's 120 decoder projections with cold weights, bf16:
 56 rows 20.6 -> 15.5 ms, one row 15.2 -> 10.9 ms, 512 rows 68.7 -> 58.9 ms against oneDNN's
@@ -33,18 +34,37 @@ class _PackedKernel:
     rows: str  # (packed, ids, in_features) -> weight[ids]
     out_multiple: int
     in_multiple: int
+    # fp32 math on bf16 weights: worth it only where bf16 has no dot-product instructions.
+    unless_native_bf16: bool = False
 
 
+# Per dtype, the kernels in order of preference; the first that runs here takes the weight.
 _KERNELS = {
-    # Outputs in groups of 32 columns, inputs in slices of 32 (two 16 x 32 bf16 tiles).
-    torch.bfloat16: _PackedKernel("amx_linear_available", "amx_pack_weight", "amx_linear", "amx_packed_rows", 32, 32),
+    torch.bfloat16: (
+        # Outputs in groups of 32 columns, inputs in slices of 32 (two 16 x 32 bf16 tiles).
+        _PackedKernel("amx_linear_available", "amx_pack_weight", "amx_linear", "amx_packed_rows", 32, 32),
+        # Outputs in panels of 32 columns, inputs in pairs. On AVX512-BF16 (no AMX) oneDNN's bf16
+        # matmul does twice this kernel's multiply-adds per instruction; it keeps those CPUs.
+        _PackedKernel("avx512_kernels_available", "bf16_pack_weight", "bf16_linear", "bf16_packed_rows", 32, 2,
+                      unless_native_bf16=True),
+    ),
     # Outputs in panels of 32 columns (two zmm registers); any number of inputs.
-    torch.float32: _PackedKernel("fp32_kernels_available", "fp32_pack_weight", "fp32_linear", "fp32_packed_rows", 32, 1),
+    torch.float32: (
+        _PackedKernel("avx512_kernels_available", "fp32_pack_weight", "fp32_linear", "fp32_packed_rows", 32, 1),
+    ),
 }
+
+
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 dot products (AVX512-BF16; every AMX CPU has it too), which
+    oneDNN's bf16 matmul and torch's bf16 attention use. Without them both emulate bf16 slowly."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 @functools.lru_cache(maxsize=None)
 def _available(kernel: _PackedKernel) -> bool:
+    if kernel.unless_native_bf16 and native_bf16():
+        return False
     try:
         return bool(getattr(load_extension(), kernel.available)())
     except CpuKernelsUnavailable:
@@ -52,24 +72,39 @@ def _available(kernel: _PackedKernel) -> bool:
 
 
 def amx_available() -> bool:
-    return _available(_KERNELS[torch.bfloat16])
+    return _available(_KERNELS[torch.bfloat16][0])
 
 
-def fp32_available() -> bool:
-    """Whether the fp32 kernels (this module's linear layers, attention.py's prefill) run here."""
-    return _available(_KERNELS[torch.float32])
+def avx512_available() -> bool:
+    """Whether the AVX-512 kernels (fp32 and, without native bf16, bf16 linear layers here, and
+    attention.py's prefill) run here."""
+    return _available(_KERNELS[torch.float32][0])
+
+
+def bf16_fp32_math_available() -> bool:
+    """Whether bf16 layers take the AVX-512 kernels' fp32 math here (AVX-512F, no native bf16)."""
+    return _available(_KERNELS[torch.bfloat16][1])
+
+
+def _kernel_for(weight: Tensor) -> _PackedKernel | None:
+    out_features, in_features = weight.shape
+    for kernel in _KERNELS.get(weight.dtype, ()):
+        if out_features % kernel.out_multiple == 0 and in_features % kernel.in_multiple == 0 and _available(kernel):
+            return kernel
+    return None
 
 
 def prepack_linear(weight: Tensor) -> Callable[[Tensor, Tensor | None], Tensor] | None:
     """A function (x, bias) -> x @ weight.T + bias over a packed copy of ``weight`` [out, in], or
-    None where no kernel applies (not a CPU bf16 / fp32 matrix, a shape off the kernel's blocking,
-    no AMX for bf16 or no AVX-512 for fp32 here); the caller then keeps its own path."""
-    kernel = _KERNELS.get(weight.dtype)
-    if kernel is None or weight.device.type != "cpu" or weight.dim() != 2:
+    None where no kernel applies (not a CPU bf16 / fp32 matrix, a shape off the kernels' blocking,
+    neither AMX nor (without native bf16) AVX-512 for bf16, no AVX-512 for fp32); the caller then
+    keeps its own path."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    kernel = _kernel_for(weight)
+    if kernel is None:
         return None
     out_features, in_features = weight.shape
-    if out_features % kernel.out_multiple or in_features % kernel.in_multiple or not _available(kernel):
-        return None
     ext = load_extension()
     packed = getattr(ext, kernel.pack)(weight.contiguous())
     run, read_rows = getattr(ext, kernel.run), getattr(ext, kernel.rows)

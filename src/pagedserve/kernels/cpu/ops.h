@@ -3,9 +3,13 @@
 
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
 
 namespace pagedserve {
+
+// A dtype as torch's Python side names it, for error messages ("float32", not "Float").
+inline std::string dtype_name(c10::ScalarType t) { return std::string(c10::getDtypeNames(t).first); }
 
 // paged_decode_attention.cpp
 void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
@@ -37,11 +41,15 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
                          int64_t out_features);
 torch::Tensor amx_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features);
 
-// fp32_linear.cpp
-bool fp32_kernels_available();  // fp32_linear and paged_prefill_attention (AVX-512)
+// avx512_linear.cpp
+bool avx512_kernels_available();  // fp32_*/bf16_* linear and paged_prefill_attention (AVX-512F)
 torch::Tensor fp32_pack_weight(torch::Tensor weight);
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                           int64_t out_features);
 torch::Tensor fp32_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features);
+torch::Tensor bf16_pack_weight(torch::Tensor weight);
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                          int64_t out_features);
+torch::Tensor bf16_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features);
 
 }  // namespace pagedserve

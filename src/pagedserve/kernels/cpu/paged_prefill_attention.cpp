@@ -1,9 +1,11 @@
-// Prefill rows (a sequence's chunk of more than one query row) attending causally over an fp32
-// paged KV cache, on AVX-512: the GEMM-shaped half of attention, done as two GEMMs per block of
-// query rows with the fp32 register block of fp32_gemm.h.
+// Prefill rows (a sequence's chunk of more than one query row) attending causally over an fp32 or
+// bf16 paged KV cache, on AVX-512: the GEMM-shaped half of attention, done as two GEMMs per block
+// of query rows with the fp32 register block of fp32_gemm.h, in fp32 math.
 //
 // Why: torch's CPU flash attention (SDPA) ran fp32 prefill at ~100 GFLOP/s here, a fifth of a
-// 512-token prefill's time, against ~280 for the same FMAs in fp32_gemm.h's block.
+// 512-token prefill's time, against ~280 for the same FMAs in fp32_gemm.h's block; in bf16 on a
+// CPU without bf16 dot products it is slower still (emulated), while widening bf16 to fp32 costs
+// this kernel only its gather.
 //
 // Per sequence, its keys are gathered once from the cache into 32-key panels laid out for the
 // block ([head][panel][d][32 keys], the transposed K) and its values into [head][key][d]; a
@@ -12,12 +14,15 @@
 // scores S = Q K^T over the keys up to the block's last row (the causal limit, in whole panels),
 // an exact softmax per row in fp32 over the keys its position may see (no online rescaling: a
 // block's score rows, 12 x seq_len floats, fit in L2), and O = P V, divided by the row sums.
-// Work items (head, row block) are split across threads. fp32 queries and caches, no sliding
-// window, head_dim a multiple of 32; the Python side keeps the reference SDPA for the rest.
+// Work items (head, row block) are split across threads. Queries, output and caches all fp32 or
+// all bf16 (a block's bf16 query rows are widened into a buffer, its output rounded once at the
+// end), no sliding window, head_dim a multiple of 32; the Python side keeps the reference SDPA for
+// the rest.
 
 #include <ATen/Parallel.h>
 
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "fp32_gemm.h"
@@ -37,9 +42,10 @@ struct Shapes {
   int64_t heads, kv_heads, dim, block_size, table_stride;
 };
 
-// Keys and values of tokens [0, n) of one sequence, per kv head, in the layouts the GEMMs read:
-// kt[h][p][d][c] = K[32p + c][h][d] (zero past n), v[h][t][d] = V[t][h][d].
-void gather_sequence(const float* key_cache, const float* value_cache, const int32_t* table, int64_t n,
+// Keys and values of tokens [0, n) of one sequence, per kv head, in fp32 in the layouts the GEMMs
+// read: kt[h][p][d][c] = K[32p + c][h][d] (zero past n), v[h][t][d] = V[t][h][d].
+template <class T>
+void gather_sequence(const T* key_cache, const T* value_cache, const int32_t* table, int64_t n,
                      int64_t n_pad, const Shapes& s, float* kt, float* v) {
   const int64_t D = s.dim, H = s.kv_heads;
   at::parallel_for(0, n_pad / kPanel, 1, [&](int64_t p0, int64_t p1) {
@@ -55,10 +61,10 @@ void gather_sequence(const float* key_cache, const float* value_cache, const int
             std::fill(vt, vt + D, 0.f);
             continue;
           }
-          const float* k_src = key_cache + (slot * H + h) * D;
-          const float* v_src = value_cache + (slot * H + h) * D;
-          for (int64_t d = 0; d < D; ++d) kp[d * kPanel + c] = k_src[d];
-          std::copy(v_src, v_src + D, vt);
+          const T* k_src = key_cache + (slot * H + h) * D;
+          const T* v_src = value_cache + (slot * H + h) * D;
+          for (int64_t d = 0; d < D; ++d) kp[d * kPanel + c] = static_cast<float>(k_src[d]);
+          for (int64_t d = 0; d < D; ++d) vt[d] = static_cast<float>(v_src[d]);
         }
       }
     }
@@ -98,7 +104,8 @@ PAGEDSERVE_AVX512 void softmax_rows(float* scores, int64_t ld, int64_t rows, int
 }
 
 // One sequence's prefill rows: query rows [q0, q0 + q_len) at positions [n - q_len, n).
-void prefill_sequence(float* out, const float* query, const float* kt, const float* v, int64_t q0, int64_t q_len,
+template <class T>
+void prefill_sequence(T* out, const T* query, const float* kt, const float* v, int64_t q0, int64_t q_len,
                       int64_t n, int64_t n_pad, const Shapes& s, float scale) {
   const int64_t D = s.dim, group = s.heads / s.kv_heads, ldq = s.heads * D;
   const int64_t blocks = (q_len + kBlockRows - 1) / kBlockRows, first_pos = n - q_len;
@@ -107,37 +114,79 @@ void prefill_sequence(float* out, const float* query, const float* kt, const flo
     // lines in a few L1 sets.
     const int64_t lds = n_pad + kPanel;
     std::vector<float> scores(static_cast<size_t>(kBlockRows * lds));
+    // fp32 query rows and output rows of a bf16 block (fp32 blocks read and write in place).
+    std::vector<float> q_rows, o_rows;
+    if (!std::is_same<T, float>::value) {
+      q_rows.resize(static_cast<size_t>(kBlockRows * D));
+      o_rows.resize(q_rows.size());
+    }
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t h = i / blocks, r0 = (i % blocks) * kBlockRows, rows = std::min(kBlockRows, q_len - r0);
       const int64_t kvh = h / group;
       const int64_t keys = first_pos + r0 + rows;  // the block's last row sees keys [0, keys)
       const int64_t keys_pad = (keys + kPanel - 1) / kPanel * kPanel;
-      const float* q = query + (q0 + r0) * ldq + h * D;
+      const T* q_src = query + (q0 + r0) * ldq + h * D;
+      T* o_dst = out + (q0 + r0) * ldq + h * D;
+      const float* q = reinterpret_cast<const float*>(q_src);
+      float* o = reinterpret_cast<float*>(o_dst);
+      int64_t ldo = ldq, ldx = ldq;
+      if (!std::is_same<T, float>::value) {
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t d = 0; d < D; ++d) q_rows[r * D + d] = static_cast<float>(q_src[r * ldq + d]);
+        }
+        q = q_rows.data(), o = o_rows.data(), ldo = ldx = D;
+      }
       const float* kh = kt + kvh * n_pad * D;
       for (int64_t p = 0; p < keys_pad / kPanel; ++p) {
-        fp32_gemm::rows_block(rows, q, ldq, kh + p * kPanel * D, kPanel, D, scores.data() + p * kPanel, lds);
+        fp32_gemm::rows_block(rows, q, ldx, kh + p * kPanel * D, kPanel, D, scores.data() + p * kPanel, lds);
       }
       int64_t visible[kBlockRows];
       float sums[kBlockRows];
       for (int64_t r = 0; r < rows; ++r) visible[r] = first_pos + r0 + r + 1;
       softmax_rows(scores.data(), lds, rows, keys_pad, visible, scale, sums);
-      float* o = out + (q0 + r0) * ldq + h * D;
       for (int64_t c = 0; c < D; c += kPanel) {
-        fp32_gemm::rows_block(rows, scores.data(), lds, v + kvh * n_pad * D + c, D, keys, o + c, ldq);
+        fp32_gemm::rows_block(rows, scores.data(), lds, v + kvh * n_pad * D + c, D, keys, o + c, ldo);
       }
       for (int64_t r = 0; r < rows; ++r) {
         const float inv = 1.f / sums[r];
-        for (int64_t d = 0; d < D; ++d) o[r * ldq + d] *= inv;
+        for (int64_t d = 0; d < D; ++d) o[r * ldo + d] *= inv;
+        if (!std::is_same<T, float>::value) {
+          for (int64_t d = 0; d < D; ++d) o_dst[r * ldq + d] = static_cast<T>(o[r * ldo + d]);
+        }
       }
     }
   });
 }
 #endif
 
-void check_fp32(const torch::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.dim() == dim && t.is_contiguous(), "paged_prefill_attention: ",
-              name, " must be a contiguous ", dim, "-D float32 tensor, got ", t.scalar_type(), " ", t.sizes());
+void check_tensor(const torch::Tensor& t, const char* name, int64_t dim, c10::ScalarType dtype) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.dim() == dim && t.is_contiguous(), "paged_prefill_attention: ", name,
+              " must be a contiguous ", dim, "-D ", dtype_name(dtype), " tensor like the query, got ",
+              dtype_name(t.scalar_type()), " ", t.sizes());
 }
+
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+// Every sequence with more than one query row, one after the other (threads split each one's work).
+template <class T>
+void prefill_all(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+                 const torch::Tensor& value_cache, const torch::Tensor& block_table, const int32_t* starts,
+                 const int32_t* lens, int64_t B, const Shapes& s, float scale) {
+  std::vector<float> kt, v;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q0 = starts[b], q_len = starts[b + 1] - starts[b], n = lens[b];
+    if (q_len <= 1) continue;  // decode rows: paged_decode_attention's
+    TORCH_CHECK(q_len <= n && (n + s.block_size - 1) / s.block_size <= s.table_stride,
+                "paged_prefill_attention: sequence ", b, " has q_len ", q_len, " > seq_len ", n,
+                " or more blocks than block_table holds");
+    const int64_t n_pad = (n + kPanel - 1) / kPanel * kPanel;
+    kt.resize(static_cast<size_t>(s.kv_heads * n_pad * s.dim));
+    v.resize(kt.size());
+    gather_sequence(key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
+                    block_table.data_ptr<int32_t>() + b * s.table_stride, n, n_pad, s, kt.data(), v.data());
+    prefill_sequence(out.data_ptr<T>(), query.data_ptr<T>(), kt.data(), v.data(), q0, q_len, n, n_pad, s, scale);
+  }
+}
+#endif
 
 }  // namespace
 
@@ -145,10 +194,13 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
                              torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_start_loc,
                              torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(fp32_gemm::available(), "paged_prefill_attention: this CPU (or build) offers no AVX-512");
-  check_fp32(out, "out", 3);
-  check_fp32(query, "query", 3);
-  check_fp32(key_cache, "key_cache", 4);
-  check_fp32(value_cache, "value_cache", 4);
+  const c10::ScalarType dtype = query.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16,
+              "paged_prefill_attention: query must be float32 or bfloat16, got ", dtype_name(dtype));
+  check_tensor(out, "out", 3, dtype);
+  check_tensor(query, "query", 3, dtype);
+  check_tensor(key_cache, "key_cache", 4, dtype);
+  check_tensor(value_cache, "value_cache", 4, dtype);
   TORCH_CHECK(out.sizes() == query.sizes(), "paged_prefill_attention: out must have query's shape");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "paged_prefill_attention: key and value caches differ");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt && block_table.dim() == 2 && block_table.is_contiguous() &&
@@ -165,20 +217,11 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  std::vector<float> kt, v;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t q0 = starts[b], q_len = starts[b + 1] - starts[b], n = lens[b];
-    if (q_len <= 1) continue;  // decode rows: paged_decode_attention's
-    TORCH_CHECK(q_len <= n && (n + s.block_size - 1) / s.block_size <= s.table_stride,
-                "paged_prefill_attention: sequence ", b, " has q_len ", q_len, " > seq_len ", n,
-                " or more blocks than block_table holds");
-    const int64_t n_pad = (n + kPanel - 1) / kPanel * kPanel;
-    kt.resize(static_cast<size_t>(s.kv_heads * n_pad * s.dim));
-    v.resize(kt.size());
-    gather_sequence(key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
-                    block_table.data_ptr<int32_t>() + b * s.table_stride, n, n_pad, s, kt.data(), v.data());
-    prefill_sequence(out.data_ptr<float>(), query.data_ptr<float>(), kt.data(), v.data(), q0, q_len, n, n_pad, s,
-                     static_cast<float>(scale));
+  if (dtype == torch::kFloat) {
+    prefill_all<float>(out, query, key_cache, value_cache, block_table, starts, lens, B, s, static_cast<float>(scale));
+  } else {
+    prefill_all<c10::BFloat16>(out, query, key_cache, value_cache, block_table, starts, lens, B, s,
+                               static_cast<float>(scale));
   }
 #endif
 }

@@ -1,0 +1,250 @@
+// Linear layers on AVX-512F in fp32 math: y = x @ W^T (+ bias) with W packed once, at load, into
+// 32-column panels that a call streams in order, each weight byte read from memory once per call.
+// fp32 weights (fp32_*), and bf16 weights (bf16_*) for CPUs without bf16 dot products.
+//
+// Why not MKL / oneDNN for fp32: at decode sizes (a few to 64 rows) MKL's sgemm reached about half
+// of this host's fp32 FMA peak on SmolLM2's projections (147 of ~300 GFLOP/s over W64's decode
+// steps): the weights are cold on every call (430 MB per step, far beyond L2), and reading them and
+// computing on them do not overlap. Here the next panel is prefetched into L2 while the current
+// one is multiplied with every row, so the stream hides behind the FMAs.
+//
+// Why bf16 here: on a CPU with AVX-512F but neither AVX512-BF16 nor AMX, oneDNN's bf16 matmul
+// runs an emulation (a W64 run spent 103 of 126 s in it, 3.5x the fp32 run). Widening bf16 to
+// fp32 is a shift or a mask per 16 values, so the same block runs bf16 weights at fp32 speed while
+// streaming half the bytes. Outputs are rounded to bf16 once, from the fp32 sums, as oneDNN does.
+//
+// Packed layout. W [N, K] (out_features x in_features) is cut into panels of 32 output columns;
+// a panel is K/kK steps of 128 bytes, each the 32 columns' values at kK consecutive k
+// (fp32_gemm.h: Fp32Panel, one k per step; Bf16PairPanel, two). Panels follow one another, so a
+// thread reading its panels reads one sequential stream, in transparent huge pages
+// (huge_pages.cpp). N must be a multiple of 32 and, for bf16, K even (the Python side checks and
+// keeps torch's matmul otherwise).
+//
+// Compute. Blocks of up to 12 rows times one panel (fp32_gemm.h: 24 zmm accumulators, blocked
+// fp32 sums), then the bias. Rows are taken in chunks of 96, so a chunk's rows of x stay in L2
+// while every panel passes. Panels are split across threads.
+
+#include <ATen/Parallel.h>
+
+#include <type_traits>
+#include <vector>
+
+#include "fp32_gemm.h"
+#include "huge_pages.h"
+#include "ops.h"
+
+namespace pagedserve {
+namespace {
+
+using fp32_gemm::Bf16PairPanel;
+using fp32_gemm::Fp32Panel;
+using fp32_gemm::kBlockRows;
+using fp32_gemm::kPanel;
+constexpr int64_t kChunkRows = 96;  // rows whose x stays in L2 while all panels pass
+
+// What a call takes for one weight dtype: the tensor's dtype, the panel kind and the entry
+// point's name for messages. (The panel kinds are plain structs, so they exist on every build.)
+template <class Panel>
+struct Kind;
+template <>
+struct Kind<Fp32Panel> {
+  static constexpr c10::ScalarType dtype = torch::kFloat;
+  static constexpr const char* name = "fp32";
+};
+template <>
+struct Kind<Bf16PairPanel> {
+  static constexpr c10::ScalarType dtype = torch::kBFloat16;
+  static constexpr const char* name = "bf16";
+};
+
+template <class Panel>
+const typename Panel::T* values(const torch::Tensor& t) {
+  return reinterpret_cast<const typename Panel::T*>(t.data_ptr());
+}
+
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+
+// 16 fp32 values rounded to bf16 as c10::BFloat16 rounds them: to nearest even, NaN a quiet NaN.
+PAGEDSERVE_AVX512 inline void store_bf16(const float* src, uint16_t* dst) {
+  const __m512 f = _mm512_loadu_ps(src);
+  const __m512i bits = _mm512_castps_si512(f);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7fff));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(rounded));
+}
+
+// Panels [p0, p1) of y for rows [0, M), from x packed by pack_x, plus the bias. fp32 outputs are
+// summed in place; bf16 outputs in a chunk-sized fp32 buffer, then rounded once into y.
+template <class Panel, class Out>
+void panels(const float* xp, const typename Panel::T* w, const float* bias, Out* y, int64_t M, int64_t K,
+            int64_t N, int64_t p0, int64_t p1) {
+  constexpr bool kInPlace = std::is_same<Out, float>::value;
+  const int64_t panel_values = K / Panel::kK * Panel::kStep;
+  std::vector<float> sums(kInPlace ? 0 : static_cast<size_t>(kChunkRows * kPanel));
+  for (int64_t c0 = 0; c0 < M; c0 += kChunkRows) {
+    const int64_t c1 = std::min(M, c0 + kChunkRows);
+    const int64_t num_blocks = (c1 - c0 + kBlockRows - 1) / kBlockRows;
+    for (int64_t p = p0; p < p1; ++p) {
+      const typename Panel::T* panel = w + p * panel_values;
+      const typename Panel::T* next = p + 1 < p1 ? panel + panel_values : nullptr;
+      // Row r of the chunk's 32 sums: fp32 y in place, or row r - c0 of the buffer.
+      float* first = kInPlace ? reinterpret_cast<float*>(y) + c0 * N + p * kPanel : sums.data();
+      const int64_t ld = kInPlace ? N : kPanel;
+      for (int64_t i = 0; i < num_blocks; ++i) {
+        const int64_t r0 = i * kBlockRows, rows = std::min(kBlockRows, c1 - c0 - r0);
+        fp32_gemm::packed_rows_block<Panel>(rows, xp + (c0 + r0) * K, panel, Panel::kStep, K, first + r0 * ld, ld,
+                                            {next, i, num_blocks});
+      }
+      for (int64_t r = 0; r < c1 - c0; ++r) {
+        float* row = first + r * ld;
+        if (bias != nullptr) {
+          for (int64_t c = 0; c < kPanel; ++c) row[c] += bias[p * kPanel + c];
+        }
+        if (!kInPlace) {
+          auto* out = reinterpret_cast<uint16_t*>(y + (c0 + r) * N + p * kPanel);
+          store_bf16(row, out);
+          store_bf16(row + 16, out + 16);
+        }
+      }
+    }
+  }
+}
+
+// x [M, K] in fp32 with each 12-row block interleaved (fp32_gemm::pack_rows), blocks in row order:
+// block i starts at row 12 i's offset, i * 12 * K.
+template <class X>
+torch::Tensor pack_x(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  torch::Tensor packed = torch::empty({M, K}, x.options().dtype(torch::kFloat));
+  const X* src = reinterpret_cast<const X*>(x.data_ptr());
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, (M + kBlockRows - 1) / kBlockRows, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = b * kBlockRows;
+      fp32_gemm::pack_rows(src + r0 * K, std::min(kBlockRows, M - r0), K, dst + r0 * K);
+    }
+  });
+  return packed;
+}
+#endif
+
+template <class Panel>
+void check_matrix(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == Kind<Panel>::dtype && t.dim() == 2 && t.is_contiguous(), Kind<Panel>::name,
+              "_linear: ", name, " must be a contiguous 2-D ", dtype_name(Kind<Panel>::dtype), " tensor, got ",
+              dtype_name(t.scalar_type()), " ", t.sizes());
+}
+
+// Where W[n][k] lies in the packed layout, in T values.
+template <class Panel>
+int64_t packed_offset(int64_t n, int64_t k, int64_t K) {
+  const int64_t panel = n / kPanel, c = n % kPanel, step = k / Panel::kK, s = k % Panel::kK;
+  const int64_t base = (panel * (K / Panel::kK) + step) * Panel::kStep;
+  // Fp32Panel: the 32 columns in order. Bf16PairPanel: column c in 32-bit lane c % 16 of half
+  // c / 16, k's value in the lane's low 16 bits, k + 1's in its high 16 bits.
+  return Panel::kK == 1 ? base + c : base + (c / 16) * 32 + (c % 16) * 2 + s;
+}
+
+template <class Panel>
+torch::Tensor pack_weight(const torch::Tensor& weight) {
+  check_matrix<Panel>(weight, "weight");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(N % kPanel == 0 && K > 0 && K % Panel::kK == 0, Kind<Panel>::name,
+              "_pack_weight: out_features must be a multiple of ", kPanel, " and in_features of ", Panel::kK,
+              ", got ", weight.sizes());
+  torch::Tensor packed = huge_page_empty(N * K, weight.options());
+  const auto* w = values<Panel>(weight);
+  auto* p = const_cast<typename Panel::T*>(values<Panel>(packed));
+  at::parallel_for(0, N / kPanel, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t n = g0 * kPanel; n < g1 * kPanel; ++n) {
+      for (int64_t k = 0; k < K; ++k) p[packed_offset<Panel>(n, k, K)] = w[n * K + k];
+    }
+  });
+  return packed;
+}
+
+template <class Panel>
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                     int64_t out_features) {
+  check_matrix<Panel>(x, "x");
+  TORCH_CHECK(fp32_gemm::available(), Kind<Panel>::name, "_linear: this CPU (or build) offers no AVX-512");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(packed.scalar_type() == Kind<Panel>::dtype && packed.is_contiguous() && packed.numel() == N * K &&
+                  N % kPanel == 0 && K % Panel::kK == 0,
+              Kind<Panel>::name, "_linear: packed must be ", Kind<Panel>::name, "_pack_weight's result for a [", N,
+              ", ", K, "] weight");
+  torch::Tensor bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == Kind<Panel>::dtype && bias->is_contiguous() && bias->numel() == N,
+                Kind<Panel>::name, "_linear: bias must be contiguous ", dtype_name(Kind<Panel>::dtype),
+                " [out_features]");
+    bias32 = bias->to(torch::kFloat);
+  }
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+  const torch::Tensor x_packed = pack_x<typename Panel::T>(x);
+  const float* xp = x_packed.data_ptr<float>();
+  const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  const auto* w = values<Panel>(packed);
+  using Out = std::conditional_t<std::is_same<Panel, Fp32Panel>::value, float, c10::BFloat16>;
+  Out* out = y.data_ptr<Out>();
+  at::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) { panels<Panel>(xp, w, b, out, M, K, N, p0, p1); });
+#endif
+  return y;
+}
+
+// Rows of W read back from pack_weight's layout (one value per 128-byte step). A tied embedding is
+// looked up here, so the model need not keep its plain copy beside the packed LM head.
+template <class Panel>
+torch::Tensor packed_rows(const torch::Tensor& packed, const torch::Tensor& ids, int64_t in_features) {
+  const int64_t K = in_features;
+  TORCH_CHECK(packed.scalar_type() == Kind<Panel>::dtype && packed.is_contiguous() && K > 0 &&
+                  K % Panel::kK == 0 && packed.numel() % (K * kPanel) == 0,
+              Kind<Panel>::name, "_packed_rows: packed must be ", Kind<Panel>::name,
+              "_pack_weight's result for a weight of ", K, " input features");
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1, Kind<Panel>::name,
+              "_packed_rows: ids must be 1-D int64");
+  const int64_t N = packed.numel() / K, M = ids.numel();
+  const torch::Tensor idc = ids.contiguous();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < M; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < N, Kind<Panel>::name, "_packed_rows: id ", id[i], " is out of range [0, ", N,
+                ")");
+  }
+  torch::Tensor rows = torch::empty({M, K}, packed.options());
+  const auto* p = values<Panel>(packed);
+  auto* out = const_cast<typename Panel::T*>(values<Panel>(rows));
+  at::parallel_for(0, M, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      for (int64_t k = 0; k < K; ++k) out[i * K + k] = p[packed_offset<Panel>(id[i], k, K)];
+    }
+  });
+  return rows;
+}
+
+}  // namespace
+
+bool avx512_kernels_available() { return fp32_gemm::available(); }
+
+torch::Tensor fp32_pack_weight(torch::Tensor weight) { return pack_weight<Fp32Panel>(weight); }
+torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                          int64_t out_features) {
+  return linear<Fp32Panel>(x, packed, bias, out_features);
+}
+torch::Tensor fp32_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features) {
+  return packed_rows<Fp32Panel>(packed, ids, in_features);
+}
+
+torch::Tensor bf16_pack_weight(torch::Tensor weight) { return pack_weight<Bf16PairPanel>(weight); }
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                          int64_t out_features) {
+  return linear<Bf16PairPanel>(x, packed, bias, out_features);
+}
+torch::Tensor bf16_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features) {
+  return packed_rows<Bf16PairPanel>(packed, ids, in_features);
+}
+
+}  // namespace pagedserve

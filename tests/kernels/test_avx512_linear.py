@@ -1,0 +1,196 @@
+"""The AVX-512 linear kernels (kernels/cpu/avx512_linear.cpp) against a float64 matmul of the same
+values. Both sum each output in fp32 in blocks of 128 inputs, so the error must stay within what
+fp32 summation allows and no larger than torch's own matmul (MKL for fp32, oneDNN for bf16) makes
+on the same inputs; bf16 outputs are then rounded once to bf16.
+
+fp32 runs where the CPU has AVX-512; bf16 where it has AVX-512 but no bf16 dot products (AMX or
+AVX512-BF16 keep their faster kernels: test_bf16_kernel_yields_to_native_bf16). Elsewhere
+prepack_linear must decline (tests/kernels/test_amx_linear.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.core.layers.linear import Linear
+from pagedserve.kernels.cpu import linear as cpu_linear
+from pagedserve.kernels.cpu.build import load_extension
+from pagedserve.kernels.cpu.linear import avx512_available, bf16_fp32_math_available, prepack_linear
+
+needs_avx512 = pytest.mark.skipif(not avx512_available(), reason="this CPU has no AVX-512 (prepack_linear declines)")
+needs_bf16_kernel = pytest.mark.skipif(
+    not bf16_fp32_math_available(), reason="no AVX-512 here, or native bf16 (AMX / AVX512-BF16) takes bf16 layers")
+
+
+def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def exact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if bias is None else bias.double())
+
+
+def assert_fp32_accurate(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    want = exact(x, w, bias)
+    # Bound of a blocked fp32 sum: a few units of fp32 rounding times the sum of |terms|.
+    scale = F.linear(x.double().abs(), w.double().abs(), None if bias is None else bias.double().abs())
+    err = (got.double() - want).abs()
+    assert (err <= scale * 2e-6 + 1e-30).all(), f"max error {err.max().item():.3g}"
+    torch_err = (F.linear(x, w, bias).double() - want).abs().max().item()
+    assert err.max().item() <= max(2 * torch_err, 1e-6), (err.max().item(), torch_err)
+
+
+def assert_bf16_rounded_once(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """got is the exact product rounded to bf16, but where the fp32 sum's own error reaches a
+    rounding boundary; there it may be the neighbouring bf16 value, never further."""
+    assert got.dtype == torch.bfloat16
+    want = exact(x, w, bias)
+    scale = F.linear(x.double().abs(), w.double().abs(), None if bias is None else bias.double().abs())
+    rounded = want.to(torch.bfloat16)
+    off = got != rounded
+    # A neighbour: at most one bf16 step (8 significant bits) away ...
+    _, exponent = torch.frexp(torch.maximum(got.double().abs(), rounded.double().abs()))
+    step = torch.ldexp(torch.ones_like(want), exponent - 8)
+    assert ((got.double() - rounded.double()).abs()[off] <= step[off]).all(), "a bf16 output more than a step off"
+    # ... and only where the exact value lies within the fp32 sum's error of the midpoint between them.
+    midpoint = (got.double() + rounded.double()) / 2
+    assert ((want - midpoint).abs()[off] <= scale[off] * 2e-6).all(), "a bf16 output off by more than the sum's error"
+    torch_off = (F.linear(x, w, bias) != rounded).sum().item()  # oneDNN's bf16 matmul on the same values
+    assert off.sum().item() <= max(2 * torch_off, 2), (off.sum().item(), torch_off)
+
+
+@needs_avx512
+@pytest.mark.parametrize("rows", [1, 5, 11, 12, 13, 24, 37, 95, 96, 97, 300])
+@pytest.mark.parametrize("out_features,in_features", [(32, 7), (96, 64), (64, 576), (32, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp32_linear_matches_float64_matmul(rows, out_features, in_features, with_bias):
+    w, x = randn(out_features, in_features, seed=1), randn(rows, in_features, seed=2)
+    bias = randn(out_features, seed=3) if with_bias else None
+    linear = prepack_linear(w)
+    assert linear is not None
+    got = linear(x, bias)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    assert_fp32_accurate(got, x, w, bias)
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 37, 97, 300])
+@pytest.mark.parametrize("out_features,in_features", [(32, 2), (96, 64), (64, 578), (32, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_linear_is_the_exact_product_rounded_once(rows, out_features, in_features, with_bias):
+    w = randn(out_features, in_features, seed=1, dtype=torch.bfloat16)
+    x = randn(rows, in_features, seed=2, dtype=torch.bfloat16)
+    bias = randn(out_features, seed=3, dtype=torch.bfloat16) if with_bias else None
+    linear = prepack_linear(w)
+    assert linear is not None and linear.packed.dtype == torch.bfloat16
+    got = linear(x, bias)
+    assert got.shape == (rows, out_features)
+    assert_bf16_rounded_once(got, x, w, bias)
+
+
+@needs_bf16_kernel
+def test_bf16_odd_in_features_keep_torchs_matmul():
+    """bf16 panels hold k values in pairs: an odd in_features is not the kernel's."""
+    assert prepack_linear(randn(64, 7, seed=4, dtype=torch.bfloat16)) is None
+
+
+@needs_bf16_kernel
+def test_bf16_kernel_yields_to_native_bf16(monkeypatch):
+    """On a CPU with bf16 dot products oneDNN's bf16 matmul (and torch's bf16 attention) keep bf16
+    layers: this kernel would do half their multiply-adds per instruction."""
+    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: True)
+    cpu_linear._available.cache_clear()
+    try:
+        assert not cpu_linear.bf16_fp32_math_available()
+        assert prepack_linear(randn(64, 32, seed=4, dtype=torch.bfloat16)) is None
+        assert prepack_linear(randn(64, 32, seed=4)) is not None  # fp32 layers are unaffected
+    finally:
+        monkeypatch.undo()
+        cpu_linear._available.cache_clear()
+    assert prepack_linear(randn(64, 32, seed=4, dtype=torch.bfloat16)) is not None
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_panels_split_across_threads_and_prefetched(dtype):
+    """A wide layer (the LM head's shape class): every panel boundary and both threads' ranges."""
+    if dtype == torch.bfloat16 and not bf16_fp32_math_available():
+        pytest.skip("bf16 layers take native bf16 here")
+    w, x = randn(2048, 96, seed=4, dtype=dtype), randn(40, 96, seed=5, dtype=dtype)
+    check = assert_fp32_accurate if dtype == torch.float32 else assert_bf16_rounded_once
+    check(prepack_linear(w)(x, None), x, w, None)
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_contiguous_input_and_zero_rows(dtype):
+    if dtype == torch.bfloat16 and not bf16_fp32_math_available():
+        pytest.skip("bf16 layers take native bf16 here")
+    w = randn(64, 48, seed=6, dtype=dtype)
+    linear = prepack_linear(w)
+    x = randn(5, 96, seed=7, dtype=dtype)[:, ::2]  # a strided view: the kernel takes a contiguous copy
+    check = assert_fp32_accurate if dtype == torch.float32 else assert_bf16_rounded_once
+    check(linear(x, None), x, w, None)
+    empty = linear(torch.empty(0, 48, dtype=dtype), None)
+    assert empty.shape == (0, 64) and empty.dtype == dtype
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_finite_inputs_give_what_the_exact_product_gives(dtype):
+    """NaN and infinities pass through the sums and (bf16) the rounding: NaN stays NaN, never a
+    finite value or an infinity of the wrong sign."""
+    if dtype == torch.bfloat16 and not bf16_fp32_math_available():
+        pytest.skip("bf16 layers take native bf16 here")
+    w, x = randn(64, 40, seed=15, dtype=dtype), randn(4, 40, seed=16, dtype=dtype)
+    w[3] = w[3].abs()  # column 3 sums an infinity without cancelling it
+    x[0, 5], x[1, 7], x[2, 9] = float("nan"), float("inf"), -float("inf")
+    got, want = prepack_linear(w)(x, None).double(), exact(x, w, None)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isposinf(), want.isposinf())
+    assert torch.equal(got.isneginf(), want.isneginf()) and got[0].isnan().all() and got[1, 3] == float("inf")
+
+
+@needs_avx512
+def test_linear_keeps_only_the_packed_copy():
+    w = randn(64, 32, seed=8)
+    layer = Linear(w, prepack=prepack_linear)
+    assert layer.kernel is not None and layer.weight is None and layer.packed is None
+    assert layer.kernel.packed.numel() == w.numel()
+    x = randn(3, 32, seed=9)
+    assert_fp32_accurate(layer(x), x, w, None)
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_rows_are_the_weight_rows(dtype):
+    """A tied embedding's lookup reads the packed LM head back: exactly weight[ids], any order."""
+    if dtype == torch.bfloat16 and not bf16_fp32_math_available():
+        pytest.skip("bf16 layers take native bf16 here")
+    w = randn(96, 40, seed=10, dtype=dtype)
+    linear = prepack_linear(w)
+    ids = torch.tensor([95, 0, 31, 32, 33, 63, 64, 0, 95, 15, 16, 47, 48])  # panel and half-panel edges, repeats
+    assert torch.equal(linear.rows(ids), w[ids])
+    assert linear.rows(torch.empty(0, dtype=torch.long)).shape == (0, 40)
+    with pytest.raises(RuntimeError, match="out of range"):
+        linear.rows(torch.tensor([96]))
+
+
+@pytest.mark.parametrize("prefix,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_packing_checks_its_arguments(prefix, dtype):
+    if not avx512_available():
+        pytest.skip("this CPU has no AVX-512")
+    ext = load_extension()
+    pack, run = getattr(ext, f"{prefix}_pack_weight"), getattr(ext, f"{prefix}_linear")
+    packed = pack(randn(64, 16, seed=11, dtype=dtype))
+    with pytest.raises(RuntimeError, match="packed must be"):
+        run(randn(2, 16, seed=12, dtype=dtype), packed, None, 32)
+    with pytest.raises(RuntimeError, match="multiple of"):
+        pack(randn(40, 16, seed=13, dtype=dtype))
+    with pytest.raises(RuntimeError, match=f"{str(dtype).removeprefix('torch.')} tensor, got float64"):
+        run(randn(2, 16, seed=12).double(), packed, None, 64)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        run(randn(2, 16, seed=12, dtype=dtype), packed, randn(64, seed=14).double(), 64)
+    if dtype == torch.bfloat16:
+        with pytest.raises(RuntimeError, match="in_features of 2"):
+            pack(randn(64, 15, seed=13, dtype=dtype))
