@@ -25,7 +25,6 @@ masks with xgrammar's own CPU kernel instead of pagedserve's (masking.py), to co
 from __future__ import annotations
 
 import argparse
-import statistics
 
 from bench.common import (RunResult, Timer, Workload, add_workload_args, environment_line,
                           load_workload, print_result, print_summary)

@@ -282,6 +282,7 @@ def test_overload_refuses_at_once_by_count_and_by_prompt_tokens(engine_config):
                                             return_exceptions=True)
         fits = asyncio.ensure_future(collect(engine, "fits", [8] * 20, SamplingParams(max_tokens=2)))
         engine.abort("run")
+        await runner  # not dropped: the loop holds tasks weakly, and an error in it must surface here
         return by_count, by_tokens, await fits, await queued[0]
 
     by_count, by_tokens, fits, first = asyncio.run(asyncio.wait_for(main(), timeout=60))

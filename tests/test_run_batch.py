@@ -142,6 +142,29 @@ def test_cli_runs_with_the_throughput_policy_unless_told_otherwise(tmp_path):
     assert batch_engine_config(args).scheduler.scheduling_policy == "fcfs"
 
 
+def test_cli_batch_defaults_fill_only_what_the_engine_config_leaves_out(tmp_path):
+    from pagedserve.adapters.kserve.batch import BATCH_DEFAULTS, batch_engine_config, build_parser
+
+    cfg = tmp_path / "engine.json"
+    cfg.write_text(json.dumps({"scheduling_age_bound_s": 5.0, "max_num_seqs": 3}))
+    args = build_parser().parse_args(["-i", "x", "-o", "y", "--engine-config", str(cfg), "--max-num-seqs", "7"])
+    scheduler = batch_engine_config(args).scheduler
+    assert scheduler.scheduling_age_bound_s == 5.0  # the file's, not the batch default
+    assert scheduler.scheduling_policy == BATCH_DEFAULTS["scheduling_policy"]  # the file left it out
+    assert scheduler.max_num_seqs == 7  # the flag over the file
+
+
+@pytest.mark.parametrize("text, message", [("{not json", "not valid JSON"),
+                                           ("[1, 2]", "expected a JSON object, got list")])
+def test_cli_a_bad_engine_config_is_one_clear_error(tmp_path, capsys, text, message):
+    inp, cfg = tmp_path / "in.jsonl", tmp_path / "engine.json"
+    write_jsonl(inp, [completion_line("r0", [3, 4, 5])])
+    cfg.write_text(text)
+    assert run_batch_main(["-i", str(inp), "-o", str(tmp_path / "out.jsonl"), "--engine-config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("pagedserve run-batch: error:") == 1 and str(cfg) in err and message in err
+
+
 @pytest.mark.slow
 def test_chat_lines_on_the_default_model_from_the_pagedserve_command(tmp_path):
     import subprocess

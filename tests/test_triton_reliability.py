@@ -2,7 +2,7 @@
 prompt is refused without stalling other streams, a full queue refuses at once, deadlines end
 requests with finish_reason "timeout", a failed step ends every stream with an error and the
 model recovers, SIGTERM drains (and stops an idle server in seconds), a dead engine unloads the
-model, prompts never reach the log.
+model, a crashed server's stub does not outlive stop(), prompts never reach the log.
 
 The servers load tests/server_hooks (slow steps, injected faults) through the test repository's
 model.py, so timings do not depend on machine speed.
@@ -27,6 +27,7 @@ from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams
 
+from bench.proctree import process_tree
 from tests.harness.local_ports import free_ports
 from tests.reliability_helpers import MARKER, assert_no_stall, install_triton_hooks, largest_gap
 from tests.triton_helpers import GrpcStream, grpc_request, http_post, scrape, sse_events, text_inputs, wait_for
@@ -306,6 +307,37 @@ def test_sigterm_on_an_idle_server_ends_it_in_seconds_and_cleanly(fresh):
     # was gone; the test hooks' faulthandler reports such a crash as "Fatal Python error".
     assert "Fatal Python error" not in log and "Segfault" not in log, log[-1500:]
     assert took < IDLE_EXIT_S, f"an idle server took {took:.1f} s to stop after SIGTERM"
+
+
+def test_stop_ends_the_stub_of_a_server_that_crashed(fresh):
+    """A server that dies without unloading its model (SIGKILL here, a crash in life) cannot end its
+    Python backend stub, and a stub that misses its parent's death (stopped here, as a hung one
+    would be) runs on. stop() ends the server's whole session: nothing of its tree is left."""
+    srv, _ = fresh(0.0)
+    tree = process_tree(srv.process.pid)
+    stubs = [pid for pid, name in tree if name == "triton_python_b"]
+    assert stubs, tree
+    try:
+        for pid in stubs:
+            os.kill(pid, signal.SIGSTOP)
+        srv.process.kill()
+        srv.process.wait(timeout=30)
+        srv.stop()
+        assert [(pid, name) for pid, name in tree if running_as(pid, name)] == []
+    finally:
+        for pid, name in tree:
+            if running_as(pid, name):
+                os.kill(pid, signal.SIGKILL)
+
+
+def running_as(pid: int, name: str) -> bool:
+    """Whether `pid` is still the live process `name` (not a zombie, not a reused pid)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            comm, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
+    except FileNotFoundError:
+        return False
+    return comm == name and rest.split()[0] != "Z"
 
 
 def test_a_dead_engine_unloads_the_model(fresh):

@@ -3,6 +3,9 @@ clients, judged against the engine called in-process with the same model and par
 
 One server per module (started through the launcher's start_server, the code behind
 `pagedserve triton`), loopback only, free ports, stopped and its /dev/shm regions removed at the end.
+Its model loads tests/server_hooks for the batching tests: a batch log (how many samples each forward
+pass gave a token: what the engine batched, told without a clock) and a pace file (slower steps while
+a test holds it, so requests sent together reach the engine together on a busy machine).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from pagedserve.core.sampling_params import SamplingParams
 
 from bench.proctree import process_tree
 from tests.harness.local_ports import free_ports
-from tests.triton_helpers import (GrpcStream, MetricsPoller, grpc_request, http_post, scrape,
-                                  sse_events, text_inputs, token_inputs, wait_for)
+from tests.reliability_helpers import batch_sizes, install_triton_hooks, paced
+from tests.triton_helpers import (GrpcStream, grpc_request, http_post, scrape, sse_events, text_inputs,
+                                  token_inputs, wait_for)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -52,6 +56,8 @@ def server(tmp_path_factory, engine_settings):
     add_model(repo, "pagedserve_badconfig", {**engine_settings, "blok_size": 16})
     add_model(repo, "pagedserve_smollm2", SMOLLM2_SETTINGS)  # the shipped engine.json's default model
     add_model(repo, "pagedserve_tokens", engine_settings, contract="tokens")
+    install_triton_hooks(repo / "pagedserve", 0.0, None, batch_log=repo.parent / "batches.log",  # not the copies
+                         pace_file=repo.parent / "pace")
     http, grpc, metrics = free_ports(3)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     srv = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, models=["pagedserve"], env=env,
@@ -162,34 +168,47 @@ def test_http_generate_stream_sse(server, oracle):
     assert "".join(e["text_output"] for e in events) == expected  # streaming: new text only
 
 
+def batch_log(server):
+    return server.log_path.parent / "batches.log"
+
+
+def pace(server):
+    """10 ms a step: a second or two for the batching tests' streams, in which the adapter, however
+    starved, hands the engine every request sent together. Unpaced, a tiny model's 200 steps take
+    0.1 s on a busy machine: a request sent right after another then arrived when it had finished."""
+    return paced(server.log_path.parent / "pace", 0.01)
+
+
 def test_sixteen_concurrent_streams_are_batched(server, oracle):
     prompts = [f"{PROMPT} {i} " + "abc " * (i % 5) for i in range(16)]
     lengths = [30 + 5 * i for i in range(16)]
     refs = oracle.generate(prompts, [SamplingParams(max_tokens=n, **GREEDY) for n in lengths])
-    poller = MetricsPoller(server.metrics_url, ("pagedserve:num_requests_running",))
-    poller.start()
+    logged = len(batch_sizes(batch_log(server)))
     streams = [GrpcStream(server.grpc_url) for _ in prompts]
     results = [None] * 16
     try:
-        for s, p, n in zip(streams, prompts, lengths):
-            s.send("pagedserve", text_inputs(p, True, {"max_tokens": n, **GREEDY}))
+        with pace(server):
+            for s, p, n in zip(streams, prompts, lengths):
+                s.send("pagedserve", text_inputs(p, True, {"max_tokens": n, **GREEDY}))
 
-        def collect(i):
-            results[i] = streams[i].collect(timeout=120)
-        threads = [threading.Thread(target=collect, args=(i,)) for i in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+            def collect(i):
+                results[i] = streams[i].collect(timeout=120)
+            threads = [threading.Thread(target=collect, args=(i,)) for i in range(16)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
     finally:
-        poller.done.set()
         for s in streams:
             s.close()
     for i, res in enumerate(results):
         assert res.error is None, res.error
         assert "".join(res.texts()) == refs[i].text, f"stream {i}"
         assert len(res.responses) == lengths[i] and res.finals[-1]
-    assert poller.max_seen["pagedserve:num_requests_running"] > 1  # the engine batched them
+    # The engine batched them: forward passes gave several of them a token at once. (Sampling the
+    # num_requests_running gauge for this missed the batch on a busy machine.)
+    sizes = batch_sizes(batch_log(server), since=logged)
+    assert sum(sizes) == sum(lengths) and max(sizes) > 1, sizes
 
 
 def _abort_count(server) -> float:
@@ -286,18 +305,22 @@ def test_both_contracts_at_once_share_one_engine(server, oracle):
     ids = oracle.tokenize(PROMPT)
     text_ref = engine_text(oracle, PROMPT, max_tokens=200, **GREEDY)[0]
     token_ref = oracle.generate([ids], SamplingParams(max_tokens=200, **GREEDY))[0]
+    logged = len(batch_sizes(batch_log(server)))
     text_stream, token_stream = GrpcStream(server.grpc_url), GrpcStream(server.grpc_url)
     try:
-        text_stream.send("pagedserve", text_inputs(PROMPT, True, {"max_tokens": 200, **GREEDY}))
-        token_stream.send("pagedserve", token_inputs(ids, 200, stream=True))
-        text_res, token_res = text_stream.collect(timeout=120), token_stream.collect(timeout=120)
+        with pace(server):
+            text_stream.send("pagedserve", text_inputs(PROMPT, True, {"max_tokens": 200, **GREEDY}))
+            token_stream.send("pagedserve", token_inputs(ids, 200, stream=True))
+            text_res, token_res = text_stream.collect(timeout=120), token_stream.collect(timeout=120)
     finally:
         text_stream.close()
         token_stream.close()
     assert "".join(text_res.texts()) == text_ref
     assert [t for r, _ in token_res.responses for t in r.as_numpy("output_ids")[0]] == list(token_ref.token_ids)
-    # Both streams were producing at the same time (one engine batching them), in one stub process.
-    assert text_res.times[0] < token_res.times[-1] and token_res.times[0] < text_res.times[-1]
+    # Both streams were produced by the same forward passes (one engine batching them; told by the
+    # engine, not by when the client got the responses), in one stub process.
+    sizes = batch_sizes(batch_log(server), since=logged)
+    assert sum(sizes) == 400 and 2 in sizes, sizes
     assert backend_stubs(server) == 1
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import queue
 import re
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -148,23 +147,3 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
-
-
-class MetricsPoller(threading.Thread):
-    """Scrapes the metrics endpoint in the background; keeps the largest value seen per key."""
-
-    def __init__(self, url: str, keys: tuple[str, ...], interval: float = 0.05) -> None:
-        super().__init__(daemon=True)
-        self.url, self.keys, self.interval = url, keys, interval
-        self.max_seen = dict.fromkeys(keys, 0.0)
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.is_set():
-            try:
-                snap = scrape(self.url)
-            except OSError:
-                snap = {}
-            for k in self.keys:
-                self.max_seen[k] = max(self.max_seen[k], snap.get(k, 0.0))
-            self.done.wait(self.interval)

@@ -183,9 +183,11 @@ class EngineConfig:
         return cls(**{sec: build_strict(_SECTIONS[sec], parts[sec], ConfigError, what) for sec in _SECTIONS})
 
     @classmethod
-    def from_json_file(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "EngineConfig":
+    def from_json_file(cls, path: str | Path, overrides: dict[str, Any] | None = None,
+                       defaults: dict[str, Any] | None = None) -> "EngineConfig":
         """Build from a JSON file of flat settings (a Triton engine.json, `--engine-config`);
-        `overrides` (e.g. command-line flags) replace its keys. Every error names the file."""
+        `overrides` (e.g. command-line flags) replace its keys, `defaults` fill keys it lacks
+        (before core/config.py's own). Every error names the file."""
         path = Path(path)
         try:
             text = path.read_text(encoding="utf-8")
@@ -193,8 +195,8 @@ class EngineConfig:
             raise ConfigError(f"{path}: engine config file not found; put the engine settings "
                               '(e.g. {"model": "default"}) in a JSON file') from None
         data = parse_json(text, ConfigError, str(path), 'it holds one object of settings such as {"model": "default"}')
-        if overrides and isinstance(data, dict):
-            data = {**data, **overrides}
+        if isinstance(data, dict):
+            data = {**(defaults or {}), **data, **(overrides or {})}
         try:
             return cls.from_dict(data, what=str(path))
         except ConfigError as exc:

@@ -8,7 +8,7 @@ spelled, documented and turned into an EngineConfig in one place.
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported when used: a command's --help needs no engine module
     from pagedserve.core.config import EngineConfig
@@ -44,12 +44,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-config", default=None, help="JSON file of engine settings (flags override it)")
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+def engine_config_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> EngineConfig:
     """The strict EngineConfig of parsed flags: --engine-config's file (if any) with the flags given
-    on top. Raises ConfigError naming the key, or OSError for an unreadable file."""
+    on top. `defaults`, a command's own (run-batch's throughput policy), fill only the keys neither
+    the file nor the flags set. Raises ConfigError naming the key, or OSError for an unreadable file."""
     from pagedserve.core.config import EngineConfig
 
     flags = {key: getattr(args, key) for key in ENGINE_FLAGS if getattr(args, key) is not None}
     if args.engine_config:
-        return EngineConfig.from_json_file(args.engine_config, flags)
-    return EngineConfig.from_dict(flags)
+        return EngineConfig.from_json_file(args.engine_config, flags, defaults)
+    return EngineConfig.from_dict({**(defaults or {}), **flags})

@@ -268,15 +268,12 @@ def run_batch(engine: Any, input_path: Path, output_path: Path, served_model_nam
 
 
 def batch_engine_config(args: argparse.Namespace):
-    config = engine_config_from_args(args)
-    set_in_file: set[str] = set()
-    if args.engine_config:
-        data = json.loads(Path(args.engine_config).read_text(encoding="utf-8"))
-        set_in_file = set(data) if isinstance(data, dict) else set()
-    changes = {k: v for k, v in BATCH_DEFAULTS.items() if k not in set_in_file}
+    """--engine-config and the engine flags, read and checked once as every command reads them, with
+    BATCH_DEFAULTS for the keys neither sets; --scheduling-policy wins over all."""
+    config = engine_config_from_args(args, defaults=BATCH_DEFAULTS)
     if args.scheduling_policy is not None:
-        changes["scheduling_policy"] = args.scheduling_policy
-    return config.replace(**changes)
+        config = config.replace(scheduling_policy=args.scheduling_policy)
+    return config
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,7 +36,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedserve.adapters.child_process import stop_process
+from pagedserve.adapters.child_process import stop_process_group
 from pagedserve.adapters.triton_server.engine_config import MODEL_OVERRIDE_ENV
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
@@ -100,7 +100,8 @@ def server_env(base: dict[str, str] | None = None, model_override: str | None = 
 
 @dataclass
 class TritonServer:
-    """A running tritonserver; `stop()` ends it and removes its /dev/shm regions."""
+    """A running tritonserver, in a session of its own; `stop()` ends it and every process it started
+    (its Python backend stubs) and removes its /dev/shm regions."""
 
     process: subprocess.Popen
     host: str
@@ -153,7 +154,9 @@ class TritonServer:
         return f"; last log lines ({self.log_path}):\n" + "\n".join(tail)
 
     def stop(self, timeout: float = EXIT_TIMEOUT_S + 10) -> None:
-        stop_process(self.process, signal.SIGINT, timeout, kill_timeout=5)
+        # SIGINT to tritonserver alone: it unloads the models, whose stubs then exit. The rest of its
+        # group is only what it could not end (it crashed or was killed): see stop_process_group.
+        stop_process_group(self.process, signal.SIGINT, timeout, kill_timeout=5)
         for region in glob.glob(f"/dev/shm/{self.shm_prefix}*"):
             try:
                 os.unlink(region)
@@ -185,8 +188,10 @@ def start_server(model_repository: str | Path = DEFAULT_REPOSITORY, *, host: str
         cmd += ["--model-control-mode=explicit", *(f"--load-model={m}" for m in models)]
     cmd += list(extra_args or [])
     out = open(log_path, "wb") if log_path else None  # noqa: SIM115 - owned by the child from here on
+    # A session of its own: its stubs share its process group, so stop() can end what it leaves
+    # behind, and a terminal's Ctrl-C reaches only the launcher, which passes it on once.
     process = subprocess.Popen(cmd, env=server_env(env, model_override), stdout=out,
-                               stderr=subprocess.STDOUT if out else None)
+                               stderr=subprocess.STDOUT if out else None, start_new_session=True)
     if out:
         out.close()
     server = TritonServer(process, host, http_port, grpc_port, metrics_port, shm_prefix, backend_dir,
@@ -220,6 +225,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class SignalForwarder:
+    """Passes the signals that stop `pagedserve triton` on to tritonserver. Installed before the
+    server starts, so no signal finds the launcher without its handler (it would die and leave the
+    server running); one that comes before the server exists is sent as soon as it does. A hangup
+    (the terminal closed) becomes SIGTERM: tritonserver handles INT and TERM only. Under nohup,
+    SIGHUP stays ignored."""
+
+    SENT_AS = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._pending: list[int] = []
+        self._process: subprocess.Popen | None = None
+        self._previous = {sig: signal.getsignal(sig) for sig in self.SENT_AS}
+        for sig in self.SENT_AS:
+            if self._previous[sig] is not signal.SIG_IGN:
+                signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame) -> None:
+        self.received.append(signum)
+        if self._process is None:
+            self._pending.append(signum)
+        else:
+            self._process.send_signal(self.SENT_AS[signum])
+
+    def attach(self, process: subprocess.Popen) -> None:
+        """From now on signals go to `process`; those that came before go now. Handlers run on this
+        thread between bytecodes, so each signal is sent exactly once: by the handler once
+        `_process` is set, or from `_pending` here."""
+        self._process = process
+        while self._pending:
+            process.send_signal(self.SENT_AS[self._pending.pop(0)])
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.write_repository:
@@ -228,13 +271,19 @@ def main(argv: list[str] | None = None) -> int:
               f"  pagedserve triton --model-repository {target}")
         return 0
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
-    server = start_server(args.model_repository, host=args.host, http_port=args.http_port,
-                          grpc_port=args.grpc_port, metrics_port=args.metrics_port, models=args.load_model,
-                          model_override=args.model, extra_args=extra, wait=False)
-    forwarded = []
     # SIGINT/SIGTERM go to tritonserver, which unloads the models (each finishes its requests).
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, _frame: (forwarded.append(signum), server.process.send_signal(signum)))
+    forwarder = SignalForwarder()
+    try:
+        server = start_server(args.model_repository, host=args.host, http_port=args.http_port,
+                              grpc_port=args.grpc_port, metrics_port=args.metrics_port, models=args.load_model,
+                              model_override=args.model, extra_args=extra, wait=False)
+        forwarder.attach(server.process)
+        return _serve(server, args, forwarder)
+    finally:
+        forwarder.restore()
+
+
+def _serve(server: TritonServer, args: argparse.Namespace, forwarder: SignalForwarder) -> int:
     try:
         server.wait_ready(args.timeout)
         host = args.host if args.host != "0.0.0.0" else "127.0.0.1"
@@ -249,13 +298,13 @@ pagedserve is serving on tritonserver (Ctrl-C stops it):
   gRPC streaming with tritonclient.grpc: see docs/triton.md
 """, flush=True)
     except (RuntimeError, TimeoutError) as exc:
-        if not forwarded:
+        if not forwarder.received:
             print(f"pagedserve triton: {exc}", file=sys.stderr)
         server.stop()
         return 1
     code = server.process.wait()
     server.stop()
-    return 0 if forwarded else code
+    return 0 if forwarder.received else code
 
 
 if __name__ == "__main__":
