@@ -70,13 +70,17 @@ def test_the_launcher_leaves_the_handlers_it_found():
 
     before = {sig: signal.getsignal(sig) for sig in SignalForwarder.SENT_AS}
     original_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+    original_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a shell's background job
     try:
         forwarder = SignalForwarder()
-        assert signal.getsignal(signal.SIGINT) == forwarder._handle
+        assert signal.getsignal(signal.SIGINT) == forwarder._handle  # an explicit SIGINT still stops it
+        assert signal.getsignal(signal.SIGTERM) == forwarder._handle
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN  # nohup's choice stands
         forwarder.restore()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, original_hup)
+        signal.signal(signal.SIGINT, original_int)
     assert {sig: signal.getsignal(sig) for sig in SignalForwarder.SENT_AS} == before
 
 

@@ -230,7 +230,8 @@ class SignalForwarder:
     server starts, so no signal finds the launcher without its handler (it would die and leave the
     server running); one that comes before the server exists is sent as soon as it does. A hangup
     (the terminal closed) becomes SIGTERM: tritonserver handles INT and TERM only. Under nohup,
-    SIGHUP stays ignored."""
+    SIGHUP stays ignored; SIGINT and SIGTERM are handled even when inherited as ignored (a shell
+    starts background jobs with SIGINT ignored, and an explicit SIGINT must still stop the server)."""
 
     SENT_AS = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
 
@@ -240,7 +241,7 @@ class SignalForwarder:
         self._process: subprocess.Popen | None = None
         self._previous = {sig: signal.getsignal(sig) for sig in self.SENT_AS}
         for sig in self.SENT_AS:
-            if self._previous[sig] is not signal.SIG_IGN:
+            if sig != signal.SIGHUP or self._previous[sig] is not signal.SIG_IGN:
                 signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, _frame) -> None:
