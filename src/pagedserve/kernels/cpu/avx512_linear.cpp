@@ -42,8 +42,8 @@ using fp32_gemm::kBlockRows;
 using fp32_gemm::kPanel;
 constexpr int64_t kChunkRows = 96;  // rows whose x stays in L2 while all panels pass
 
-// What a call takes for one weight dtype: the tensor's dtype, the panel kind and the entry
-// point's name for messages. (The panel kinds are plain structs, so they exist on every build.)
+// Per panel kind: the tensors' dtype and the entry points' name prefix, for checks and messages.
+// (The panel kinds are plain structs, so they exist on every build.)
 template <class Panel>
 struct Kind;
 template <>
