@@ -294,6 +294,10 @@ def test_overload_refuses_at_once_by_count_and_by_prompt_tokens(engine_config):
     # One request runs (max_num_seqs=1); the queue holds at most 2 requests and 40 prompt tokens.
     config = engine_config.replace(max_num_seqs=1, max_waiting_requests=2, max_waiting_prompt_tokens=40)
     engine = AsyncLLMEngine(config)
+    # 0.25 s a step: the 300-token request needs 75 s, more than the test's 60 s timeout, so it is
+    # certainly running (and the queue full) until the test aborts it. Run free, it sometimes
+    # finished first on a busy machine and the queued requests were admitted (or waited for forever).
+    _throttle(engine, 0.25)
 
     async def main():
         runner = asyncio.ensure_future(collect(engine, "run", [1, 2, 3], SamplingParams(max_tokens=300, **GREEDY)))
