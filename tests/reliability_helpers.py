@@ -13,10 +13,15 @@ MARKER = "zebra-quokka-7319"
 """In every prompt the reliability tests send: the server logs must never contain it."""
 
 
-def kserve_hooks_env(delay: float, fault_file: Path) -> dict[str, str]:
+def kserve_hooks_env(delay: float = 0.0, fault_file: Path | None = None, batch_log: Path | None = None,
+                     pace_file: Path | None = None) -> dict[str, str]:
     """Environment for a kserve server process that loads the hooks (sitecustomize.py)."""
     path = os.pathsep.join(p for p in (str(HOOKS_DIR), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, "PAGEDSERVE_TEST_STEP_DELAY": str(delay), "PAGEDSERVE_TEST_FAULT_FILE": str(fault_file)}
+    env = {"PYTHONPATH": path, "PAGEDSERVE_TEST_STEP_DELAY": str(delay)}
+    for name, value in (("FAULT_FILE", fault_file), ("BATCH_LOG", batch_log), ("PACE_FILE", pace_file)):
+        if value is not None:
+            env[f"PAGEDSERVE_TEST_{name}"] = str(value)
+    return env
 
 
 def install_triton_hooks(model_dir: Path, delay: float, fault_file: Path | None,

@@ -168,10 +168,40 @@ def _throttle(engine: AsyncLLMEngine, seconds: float) -> None:
     engine._engine.step = slow_step
 
 
+def _fail_once_all_are_in(engine: AsyncLLMEngine, live: int, passes_first: int) -> None:
+    """Run no step until `live` requests are in the engine, let `passes_first` forward passes run
+    with all of them, then make the next forward pass raise, as a broken kernel would (after the
+    scheduler gave that step its blocks). Holding the steps makes the overlap certain: run free, a
+    request could finish before the last one arrived, on a busy machine."""
+    import time
+
+    inner = engine._engine
+    real_step, real_execute = inner.step, inner.runner.execute
+    left = {"passes": passes_first, "fault": 1}
+
+    def held_step():
+        if left["fault"] and len(inner.scheduler.requests) < live:
+            time.sleep(0.001)  # the engine thread takes the next command, then comes back
+            return []
+        return real_step()
+
+    def execute(*args, **kwargs):
+        if left["fault"]:
+            if not left["passes"]:
+                left["fault"] = 0
+                raise RuntimeError("injected kernel failure")
+            left["passes"] -= 1
+        return real_execute(*args, **kwargs)
+
+    inner.step, inner.runner.execute = held_step, execute
+
+
 def test_step_failure_ends_every_stream_and_the_engine_recovers(engine_config):
     engine = AsyncLLMEngine(engine_config)
     offline = LLMEngine(engine_config)
-    _fail_steps(engine, times=1, live=5)
+    # Three passes with all five (their prompts, 300 tokens at most, prefill in three 128-token
+    # steps at most), then the fault: none of them is near its 50 tokens.
+    _fail_once_all_are_in(engine, live=5, passes_first=3)
     ps = prompts(5, 4)
 
     async def main():
@@ -264,6 +294,10 @@ def test_overload_refuses_at_once_by_count_and_by_prompt_tokens(engine_config):
     # One request runs (max_num_seqs=1); the queue holds at most 2 requests and 40 prompt tokens.
     config = engine_config.replace(max_num_seqs=1, max_waiting_requests=2, max_waiting_prompt_tokens=40)
     engine = AsyncLLMEngine(config)
+    # 0.25 s a step: the 300-token request needs 75 s, more than the test's 60 s timeout, so it is
+    # certainly running (and the queue full) until the test aborts it. Run free, it sometimes
+    # finished first on a busy machine and the queued requests were admitted (or waited for forever).
+    _throttle(engine, 0.25)
 
     async def main():
         runner = asyncio.ensure_future(collect(engine, "run", [1, 2, 3], SamplingParams(max_tokens=300, **GREEDY)))

@@ -1,6 +1,10 @@
 """The KServe adapter's OpenAI routes, end to end: the stock `openai` client against a real kserve
 ModelServer (a subprocess), checked against the core engine run in-process on the same model with
-the same parameters (LLMEngine.generate is the oracle for every greedy or seeded output)."""
+the same parameters (LLMEngine.generate is the oracle for every greedy or seeded output).
+
+The server loads tests/server_hooks for the batching test: a batch log (how many samples each
+forward pass gave a token: what the engine batched, told without a clock) and a pace file (slower
+steps while the test holds it, so requests sent together reach the engine together on a busy machine)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams
 
 from tests.kserve_server import engine_value, scrape, start_server, with_chat_template
+from tests.reliability_helpers import batch_sizes, kserve_hooks_env, paced
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,7 +39,9 @@ def model_dir(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    srv = start_server(model_dir, tmp_path_factory.mktemp("kserve-openai-log") / "server.log", MODEL)
+    tmp = tmp_path_factory.mktemp("kserve-openai-log")
+    hooks = kserve_hooks_env(batch_log=tmp / "batches.log", pace_file=tmp / "pace")
+    srv = start_server(model_dir, tmp / "server.log", MODEL, env=hooks)
     yield srv
     srv.stop()
 
@@ -167,29 +174,33 @@ def test_sixteen_concurrent_streaming_chats_are_batched(server, oracle):
     convs = [[{"role": "user", "content": f"Request {i}: count to {i}."}] for i in range(16)]
     want = oracle.generate([oracle.apply_chat_template(m) for m in convs],
                            SamplingParams(max_tokens=48, **GREEDY))
+    batch_log = server.log_path.parent / "batches.log"
+    logged = len(batch_sizes(batch_log))
 
-    async def one(client, http, messages):
+    async def one(client, messages):
         stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48,
                                                       temperature=0.0, stream=True, extra_body={"ignore_eos": True})
-        parts, finish, running = [], None, 0.0
+        parts, finish = [], None
         async for chunk in stream:
             parts.append(chunk.choices[0].delta.content or "")
             finish = chunk.choices[0].finish_reason or finish
-            if len(parts) == 4:  # midway through this stream: how many requests share the batch?
-                text = (await http.get(f"{server.url}/metrics")).text
-                running = max(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                              if line.startswith("pagedserve:num_requests_running{"))
-        return "".join(parts), finish, running
+        return "".join(parts), finish
 
     async def main():
-        async with httpx.AsyncClient(timeout=60) as http:
-            client = openai.AsyncOpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=120)
-            return await asyncio.gather(*(one(client, http, m) for m in convs))
+        client = openai.AsyncOpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=120)
+        return await asyncio.gather(*(one(client, m) for m in convs))
 
-    results = asyncio.run(main())
+    # 10 ms a step: each stream's 48 steps take at least half a second, in which the adapter, however
+    # starved, hands the engine every request sent together (a tiny model's unpaced decode step
+    # takes under a ms).
+    with paced(server.log_path.parent / "pace", 0.01):
+        results = asyncio.run(main())
     assert [r[0] for r in results] == [w.text for w in want]
     assert all(r[1] == "length" for r in results)
-    assert max(r[2] for r in results) > 1, "the streams were not batched together"
+    # The engine batched them: forward passes gave several of them a token at once. (Sampling the
+    # num_requests_running gauge, refreshed periodically, for this missed the batch.)
+    sizes = batch_sizes(batch_log, since=logged)
+    assert sum(sizes) == 16 * 48 and max(sizes) > 1, sizes
 
 
 def _engine_idle_with_aborts(server, aborts: float) -> bool:

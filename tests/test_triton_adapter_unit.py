@@ -264,7 +264,25 @@ def run(model, requests, timeout=30):
     return [r.sender.sent for r in requests]
 
 
+def _hold_before_last_token(engine, max_tokens: int) -> None:
+    """While a request asking for `max_tokens` has all its tokens but the last, the engine steps no
+    further (it only takes commands): such a request can end by an abort alone, however late the
+    cancel lands. Run free, the tiny model's steps finished it first on a busy machine."""
+    inner = engine._engine
+    real_step = inner.step
+
+    def held_step():
+        if any(r.max_tokens == max_tokens and r.num_output_tokens >= max_tokens - 1
+               for r in list(inner.scheduler.requests.values())):
+            time.sleep(0.001)
+            return []
+        return real_step()
+
+    inner.step = held_step
+
+
 def test_model_streams_with_one_final_and_errors_and_cancels(model, tmp_path):
+    _hold_before_last_token(model.engine, 100)  # the cancelled request's
     sp = lambda **kw: np.array([json.dumps({"temperature": 0, "ignore_eos": True, **kw}).encode()], dtype=object)
     ok = FakeRequest({"text_input": t(b"abc", object), "stream": t(True), "sampling_parameters": sp(max_tokens=5)})
     bad = FakeRequest({"text_input": t(b"abc", object), "sampling_parameters": sp(max_tokens=0)})
