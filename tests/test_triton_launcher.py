@@ -40,6 +40,10 @@ def start_server(*_args, **_kwargs):
     return launcher.TritonServer(process, "127.0.0.1", 1, 1, 1, "pagedserve_test_", tempfile.TemporaryDirectory())
 
 launcher.start_server = start_server
+# As in a terminal session, whatever ran this suite: under nohup SIGHUP would stay ignored (by
+# design, test_the_launcher_leaves_the_handlers_it_found), and SIGINT too in a background job.
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.exit(launcher.main(["--timeout", "30"]))
 """
 
