@@ -60,6 +60,11 @@ def assert_bf16_rounded_once(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor
     assert off.sum().item() <= max(2 * torch_off, 2), (off.sum().item(), torch_off)
 
 
+# What each dtype's outputs must be, and the dtypes a test runs in (bf16 where the kernel takes it).
+ACCURATE = {torch.float32: assert_fp32_accurate, torch.bfloat16: assert_bf16_rounded_once}
+KERNEL_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_kernel)]
+
+
 @needs_avx512
 @pytest.mark.parametrize("rows", [1, 5, 11, 12, 13, 24, 37, 95, 96, 97, 300])
 @pytest.mark.parametrize("out_features,in_features", [(32, 7), (96, 64), (64, 576), (32, 1536)])
@@ -112,37 +117,29 @@ def test_bf16_kernel_yields_to_native_bf16(monkeypatch):
 
 
 @needs_avx512
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_many_panels_split_across_threads_and_prefetched(dtype):
     """A wide layer (the LM head's shape class): every panel boundary and both threads' ranges."""
-    if dtype == torch.bfloat16 and not bf16_fp32_math_available():
-        pytest.skip("bf16 layers take native bf16 here")
     w, x = randn(2048, 96, seed=4, dtype=dtype), randn(40, 96, seed=5, dtype=dtype)
-    check = assert_fp32_accurate if dtype == torch.float32 else assert_bf16_rounded_once
-    check(prepack_linear(w)(x, None), x, w, None)
+    ACCURATE[dtype](prepack_linear(w)(x, None), x, w, None)
 
 
 @needs_avx512
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_non_contiguous_input_and_zero_rows(dtype):
-    if dtype == torch.bfloat16 and not bf16_fp32_math_available():
-        pytest.skip("bf16 layers take native bf16 here")
     w = randn(64, 48, seed=6, dtype=dtype)
     linear = prepack_linear(w)
     x = randn(5, 96, seed=7, dtype=dtype)[:, ::2]  # a strided view: the kernel takes a contiguous copy
-    check = assert_fp32_accurate if dtype == torch.float32 else assert_bf16_rounded_once
-    check(linear(x, None), x, w, None)
+    ACCURATE[dtype](linear(x, None), x, w, None)
     empty = linear(torch.empty(0, 48, dtype=dtype), None)
     assert empty.shape == (0, 64) and empty.dtype == dtype
 
 
 @needs_avx512
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_non_finite_inputs_give_what_the_exact_product_gives(dtype):
     """NaN and infinities pass through the sums and (bf16) the rounding: NaN stays NaN, never a
     finite value or an infinity of the wrong sign."""
-    if dtype == torch.bfloat16 and not bf16_fp32_math_available():
-        pytest.skip("bf16 layers take native bf16 here")
     w, x = randn(64, 40, seed=15, dtype=dtype), randn(4, 40, seed=16, dtype=dtype)
     w[3] = w[3].abs()  # column 3 sums an infinity without cancelling it
     x[0, 5], x[1, 7], x[2, 9] = float("nan"), float("inf"), -float("inf")
@@ -162,11 +159,9 @@ def test_linear_keeps_only_the_packed_copy():
 
 
 @needs_avx512
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_packed_rows_are_the_weight_rows(dtype):
     """A tied embedding's lookup reads the packed LM head back: exactly weight[ids], any order."""
-    if dtype == torch.bfloat16 and not bf16_fp32_math_available():
-        pytest.skip("bf16 layers take native bf16 here")
     w = randn(96, 40, seed=10, dtype=dtype)
     linear = prepack_linear(w)
     ids = torch.tensor([95, 0, 31, 32, 33, 63, 64, 0, 95, 15, 16, 47, 48])  # panel and half-panel edges, repeats
