@@ -8,19 +8,15 @@ from __future__ import annotations
 
 import os
 
+from pagedserve.adapters.child_process import stat_fields
+
 
 def _children() -> dict[int, list[int]]:
     kids: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue  # exited meanwhile
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name may hold spaces and parentheses
-        kids.setdefault(ppid, []).append(int(entry))
+        fields = stat_fields(entry) if entry.isdigit() else None
+        if fields is not None:  # None: exited meanwhile
+            kids.setdefault(int(fields[1]), []).append(int(entry))
     return kids
 
 
@@ -65,10 +61,8 @@ def tree_cpu_seconds(root: int) -> float:
     ticks = os.sysconf("SC_CLK_TCK")
     total = 0
     for pid, _name in process_tree(root):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+        fields = stat_fields(pid)
+        if fields is None:
             continue
         total += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
     return total / ticks

@@ -64,14 +64,18 @@ def group_is_alive(pgid: int) -> bool:
             return False
         return True
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue  # exited meanwhile
-        state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]  # the name may hold spaces and parentheses
-        if int(pgrp) == pgid and state != "Z":
+        fields = stat_fields(entry.name) if entry.name.isdigit() else None
+        if fields is not None and int(fields[2]) == pgid and fields[0] != "Z":
             return True
     return False
+
+
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the process's name (state, ppid, process group, ...,
+    utime at 11, stime at 12), or None once the process has exited. The name is cut off at its last
+    parenthesis: it may hold spaces and parentheses itself."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
