@@ -6,6 +6,11 @@ own output: at every position the token the engine chose must be the fp32 model'
 within bf16 noise of it, measured as how far transformers' own bf16 logits stray from its fp32
 logits there (a faithful bf16 model can pick a token up to twice that below the max). Most
 tokens must be the fp32 argmax itself.
+
+The cpu backend runs twice: with the bf16 kernels this CPU gets, and with the other family's
+(native_bf16 flipped: on a CPU without bf16 instructions the dot-product kernel, emulated, and
+bf16 SDPA for prefill; on one with them, the fp32-math kernels), so both are checked end to end on
+every AVX-512 CPU.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import pytest
 import torch
 
 from pagedserve.core.sampling_params import SamplingParams
+from pagedserve.kernels.cpu import linear as cpu_linear
 
 from tests.oracle import hf_model
 from tests.test_engine_vs_transformers import assert_all_free, make_engine, random_prompts
@@ -29,10 +35,24 @@ def logits_at_choices(model, prompt: list[int], generated: list[int]) -> torch.T
     return logits[len(prompt) - 1 : len(prompt) - 1 + len(generated)]
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.fixture
+def flipped_native_bf16(monkeypatch):
+    """The kernel choice of a CPU whose answer to native_bf16() is the opposite of this one's."""
+    native = cpu_linear.native_bf16()
+    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: not native)
+    cpu_linear._available.cache_clear()
+    yield
+    monkeypatch.undo()
+    cpu_linear._available.cache_clear()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu-flipped-native-bf16", "reference"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_bf16_greedy_follows_the_fp32_model(tiny_model_dir, family, backend):
+def test_bf16_greedy_follows_the_fp32_model(tiny_model_dir, request, family, backend):
     path = tiny_model_dir(family)
+    if backend == "cpu-flipped-native-bf16":
+        request.getfixturevalue("flipped_native_bf16")
+        backend = "cpu"
     # budget 40 cuts prompts mid-block, so steps mix prefill chunks with decode rows
     engine = make_engine(path, dtype="bfloat16", attention_backend=backend, block_size=16,
                          max_num_batched_tokens=40)

@@ -1,11 +1,12 @@
 """The AVX-512 linear kernels (kernels/cpu/avx512_linear.cpp) against a float64 matmul of the same
-values. Both sum each output in fp32 in blocks of 128 inputs, so the error must stay within what
+values. All sum each output in fp32 in blocks of 128 inputs, so the error must stay within what
 fp32 summation allows and no larger than torch's own matmul (MKL for fp32, oneDNN for bf16) makes
 on the same inputs; bf16 outputs are then rounded once to bf16.
 
-fp32 runs where the CPU has AVX-512; bf16 where it has AVX-512 but no bf16 dot products (AMX or
-AVX512-BF16 keep their faster kernels: test_bf16_kernel_yields_to_native_bf16). Elsewhere
-prepack_linear must decline (tests/kernels/test_amx_linear.py)."""
+Every kernel that runs on this CPU is tested, whichever the CPU prefers
+(test_bf16_kernel_choice_follows_native_bf16): fp32, bf16 in fp32 math, and bf16 by pair dot
+products (vdpbf16ps with AVX512-BF16, else its emulation, which exercises the same packing and
+blocking). Without AVX-512 prepack_linear must decline (tests/kernels/test_amx_linear.py)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,10 @@ import torch.nn.functional as F
 from pagedserve.core.layers.linear import Linear
 from pagedserve.kernels.cpu import linear as cpu_linear
 from pagedserve.kernels.cpu.build import load_extension
-from pagedserve.kernels.cpu.linear import avx512_available, bf16_fp32_math_available, prepack_linear
+from pagedserve.kernels.cpu.linear import (AMX_BF16, AVX512_BF16_DOT, AVX512_BF16_FP32_MATH, AVX512_FP32,
+                                           avx512_available, packed_linear, prepack_linear)
 
 needs_avx512 = pytest.mark.skipif(not avx512_available(), reason="this CPU has no AVX-512 (prepack_linear declines)")
-needs_bf16_kernel = pytest.mark.skipif(
-    not bf16_fp32_math_available(), reason="no AVX-512 here, or native bf16 (AMX / AVX512-BF16) takes bf16 layers")
 
 
 def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -60,9 +60,11 @@ def assert_bf16_rounded_once(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor
     assert off.sum().item() <= max(2 * torch_off, 2), (off.sum().item(), torch_off)
 
 
-# What each dtype's outputs must be, and the dtypes a test runs in (bf16 where the kernel takes it).
+# What each dtype's outputs must be, and the kernels (with their dtype) the tests run.
 ACCURATE = {torch.float32: assert_fp32_accurate, torch.bfloat16: assert_bf16_rounded_once}
-KERNEL_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_kernel)]
+BF16_KERNELS = [pytest.param(AVX512_BF16_FP32_MATH, torch.bfloat16, marks=needs_avx512, id="bf16-fp32-math"),
+                pytest.param(AVX512_BF16_DOT, torch.bfloat16, marks=needs_avx512, id="bf16-dot")]
+KERNELS = [pytest.param(AVX512_FP32, torch.float32, marks=needs_avx512, id="fp32"), *BF16_KERNELS]
 
 
 @needs_avx512
@@ -79,71 +81,72 @@ def test_fp32_linear_matches_float64_matmul(rows, out_features, in_features, wit
     assert_fp32_accurate(got, x, w, bias)
 
 
-@needs_bf16_kernel
+@pytest.mark.parametrize("kernel,dtype", BF16_KERNELS)
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 37, 97, 300])
 @pytest.mark.parametrize("out_features,in_features", [(32, 2), (96, 64), (64, 578), (32, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bf16_linear_is_the_exact_product_rounded_once(rows, out_features, in_features, with_bias):
-    w = randn(out_features, in_features, seed=1, dtype=torch.bfloat16)
-    x = randn(rows, in_features, seed=2, dtype=torch.bfloat16)
-    bias = randn(out_features, seed=3, dtype=torch.bfloat16) if with_bias else None
-    linear = prepack_linear(w)
-    assert linear is not None and linear.packed.dtype == torch.bfloat16
+def test_bf16_linear_is_the_exact_product_rounded_once(kernel, dtype, rows, out_features, in_features, with_bias):
+    w = randn(out_features, in_features, seed=1, dtype=dtype)
+    x = randn(rows, in_features, seed=2, dtype=dtype)
+    bias = randn(out_features, seed=3, dtype=dtype) if with_bias else None
+    linear = packed_linear(kernel, w)
+    assert linear.packed.dtype == torch.bfloat16
     got = linear(x, bias)
     assert got.shape == (rows, out_features)
     assert_bf16_rounded_once(got, x, w, bias)
 
 
-@needs_bf16_kernel
+@needs_avx512
 def test_bf16_odd_in_features_keep_torchs_matmul():
-    """bf16 panels hold k values in pairs: an odd in_features is not the kernel's."""
+    """bf16 panels hold k values in pairs (AMX tiles in slices of 32): an odd in_features is no
+    kernel's."""
     assert prepack_linear(randn(64, 7, seed=4, dtype=torch.bfloat16)) is None
 
 
-@needs_bf16_kernel
-def test_bf16_kernel_yields_to_native_bf16(monkeypatch):
-    """On a CPU with bf16 dot products oneDNN's bf16 matmul (and torch's bf16 attention) keep bf16
-    layers: this kernel would do half their multiply-adds per instruction."""
-    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: True)
+@needs_avx512
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_kernel_choice_follows_native_bf16(monkeypatch, native):
+    """With bf16 dot products (AVX512-BF16) and no AMX, bf16 layers take the dot-product kernel;
+    without them, the fp32-math kernel (oneDNN's bf16 matmul would emulate bf16, 3.5x slower). AMX,
+    where it runs, comes first. fp32 layers take the fp32 kernel either way."""
+    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: native)
     cpu_linear._available.cache_clear()
     try:
-        assert not cpu_linear.bf16_fp32_math_available()
-        assert prepack_linear(randn(64, 32, seed=4, dtype=torch.bfloat16)) is None
-        assert prepack_linear(randn(64, 32, seed=4)) is not None  # fp32 layers are unaffected
+        expected = AVX512_BF16_DOT if native else AVX512_BF16_FP32_MATH
+        if cpu_linear._available(AMX_BF16):
+            expected = AMX_BF16
+        assert prepack_linear(randn(64, 32, seed=4, dtype=torch.bfloat16)).kernel is expected
+        assert prepack_linear(randn(64, 32, seed=4)).kernel is AVX512_FP32
     finally:
         monkeypatch.undo()
         cpu_linear._available.cache_clear()
-    assert prepack_linear(randn(64, 32, seed=4, dtype=torch.bfloat16)) is not None
 
 
-@needs_avx512
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_many_panels_split_across_threads_and_prefetched(dtype):
+@pytest.mark.parametrize("kernel,dtype", KERNELS)
+def test_many_panels_split_across_threads_and_prefetched(kernel, dtype):
     """A wide layer (the LM head's shape class): every panel boundary and both threads' ranges."""
     w, x = randn(2048, 96, seed=4, dtype=dtype), randn(40, 96, seed=5, dtype=dtype)
-    ACCURATE[dtype](prepack_linear(w)(x, None), x, w, None)
+    ACCURATE[dtype](packed_linear(kernel, w)(x, None), x, w, None)
 
 
-@needs_avx512
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_non_contiguous_input_and_zero_rows(dtype):
+@pytest.mark.parametrize("kernel,dtype", KERNELS)
+def test_non_contiguous_input_and_zero_rows(kernel, dtype):
     w = randn(64, 48, seed=6, dtype=dtype)
-    linear = prepack_linear(w)
+    linear = packed_linear(kernel, w)
     x = randn(5, 96, seed=7, dtype=dtype)[:, ::2]  # a strided view: the kernel takes a contiguous copy
     ACCURATE[dtype](linear(x, None), x, w, None)
     empty = linear(torch.empty(0, 48, dtype=dtype), None)
     assert empty.shape == (0, 64) and empty.dtype == dtype
 
 
-@needs_avx512
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_non_finite_inputs_give_what_the_exact_product_gives(dtype):
+@pytest.mark.parametrize("kernel,dtype", KERNELS)
+def test_non_finite_inputs_give_what_the_exact_product_gives(kernel, dtype):
     """NaN and infinities pass through the sums and (bf16) the rounding: NaN stays NaN, never a
     finite value or an infinity of the wrong sign."""
     w, x = randn(64, 40, seed=15, dtype=dtype), randn(4, 40, seed=16, dtype=dtype)
     w[3] = w[3].abs()  # column 3 sums an infinity without cancelling it
     x[0, 5], x[1, 7], x[2, 9] = float("nan"), float("inf"), -float("inf")
-    got, want = prepack_linear(w)(x, None).double(), exact(x, w, None)
+    got, want = packed_linear(kernel, w)(x, None).double(), exact(x, w, None)
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isposinf(), want.isposinf())
     assert torch.equal(got.isneginf(), want.isneginf()) and got[0].isnan().all() and got[1, 3] == float("inf")
 
@@ -158,12 +161,11 @@ def test_linear_keeps_only_the_packed_copy():
     assert_fp32_accurate(layer(x), x, w, None)
 
 
-@needs_avx512
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_packed_rows_are_the_weight_rows(dtype):
+@pytest.mark.parametrize("kernel,dtype", KERNELS)
+def test_packed_rows_are_the_weight_rows(kernel, dtype):
     """A tied embedding's lookup reads the packed LM head back: exactly weight[ids], any order."""
     w = randn(96, 40, seed=10, dtype=dtype)
-    linear = prepack_linear(w)
+    linear = packed_linear(kernel, w)
     ids = torch.tensor([95, 0, 31, 32, 33, 63, 64, 0, 95, 15, 16, 47, 48])  # panel and half-panel edges, repeats
     assert torch.equal(linear.rows(ids), w[ids])
     assert linear.rows(torch.empty(0, dtype=torch.long)).shape == (0, 40)
@@ -171,12 +173,10 @@ def test_packed_rows_are_the_weight_rows(dtype):
         linear.rows(torch.tensor([96]))
 
 
-@pytest.mark.parametrize("prefix,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
-def test_packing_checks_its_arguments(prefix, dtype):
-    if not avx512_available():
-        pytest.skip("this CPU has no AVX-512")
+@pytest.mark.parametrize("kernel,dtype", KERNELS)
+def test_packing_checks_its_arguments(kernel, dtype):
     ext = load_extension()
-    pack, run = getattr(ext, f"{prefix}_pack_weight"), getattr(ext, f"{prefix}_linear")
+    pack, run = getattr(ext, kernel.pack), getattr(ext, kernel.run)
     packed = pack(randn(64, 16, seed=11, dtype=dtype))
     with pytest.raises(RuntimeError, match="packed must be"):
         run(randn(2, 16, seed=12, dtype=dtype), packed, None, 32)

@@ -9,7 +9,7 @@ fp32 weights are not repacked for oneDNN: its packed fp32 path and MKL's packed 
 one batch size only) measured no faster than F.linear. The plain weight is dropped once packed.
 
 A kernel backend may do better still: `prepack` (pagedserve.kernels.cpu.linear.prepack_linear: bf16
-on AMX, fp32 on AVX-512) gets the weight first and, when it returns a function, that function
+on AMX or AVX-512, fp32 on AVX-512) gets the weight first and, when it returns a function, that function
 computes the layer and neither the plain nor the oneDNN copy is kept.
 """
 

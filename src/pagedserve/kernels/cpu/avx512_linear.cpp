@@ -1,6 +1,8 @@
-// Linear layers on AVX-512F in fp32 math: y = x @ W^T (+ bias) with W packed once, at load, into
-// 32-column panels that a call streams in order, each weight byte read from memory once per call.
-// fp32 weights (fp32_*), and bf16 weights (bf16_*) for CPUs without bf16 dot products.
+// Linear layers on AVX-512: y = x @ W^T (+ bias) with W packed once, at load, into 32-column panels
+// that a call streams in order, each weight byte read from memory once per call. fp32 weights
+// (fp32_*) in fp32 math; bf16 weights in fp32 math for CPUs without bf16 dot products (bf16_*), or
+// with AVX512-BF16's dot product over bf16 pairs (bf16_dot_*: CPUs with it but without AMX, whose
+// amx_linear.cpp is faster still).
 //
 // Why not MKL / oneDNN for fp32: at decode sizes (a few to 64 rows) MKL's sgemm reached about half
 // of this host's fp32 FMA peak on SmolLM2's projections (147 of ~300 GFLOP/s over W64's decode
@@ -12,6 +14,9 @@
 // runs an emulation (a W64 run spent 103 of 126 s in it, 3.5x the fp32 run). Widening bf16 to
 // fp32 is a shift or a mask per 16 values, so the same block runs bf16 weights at fp32 speed while
 // streaming half the bytes. Outputs are rounded to bf16 once, from the fp32 sums, as oneDNN does.
+// With AVX512-BF16, vdpbf16ps multiplies x and W in bf16 pairs into the same fp32 sums: twice the
+// multiply-adds per instruction of fp32 math, over weights streamed as amx_linear.cpp streams them
+// (on the AMX host, oneDNN's bf16 matmul read cold weights at about half the memory's rate).
 //
 // Packed layout. W [N, K] (out_features x in_features) is cut into panels of 32 output columns;
 // a panel is K/kK steps of 128 bytes, each the 32 columns' values at kK consecutive k
@@ -21,8 +26,9 @@
 // keeps torch's matmul otherwise).
 //
 // Compute. Blocks of up to 12 rows times one panel (fp32_gemm.h: 24 zmm accumulators, blocked
-// fp32 sums), then the bias. Rows are taken in chunks of 96, so a chunk's rows of x stay in L2
-// while every panel passes. Panels are split across threads.
+// fp32 sums; `block`, or `pair_block` for the dot product), then the bias. Rows are taken in
+// chunks of 96, so a chunk's rows of x stay in L2 while every panel passes. Panels are split
+// across threads.
 
 #include <ATen/Parallel.h>
 
@@ -62,6 +68,39 @@ const typename Panel::T* values(const torch::Tensor& t) {
   return reinterpret_cast<const typename Panel::T*>(t.data_ptr());
 }
 
+// How a kernel multiplies x by a panel, and how it wants x packed: fp32 math over x widened to fp32
+// and interleaved (FmaMath), or bf16 dot products over x in interleaved pairs (DotMath). `name`
+// prefixes the entry points' errors.
+template <class P>
+struct FmaMath {
+  using Panel = P;
+  using X = float;
+  static constexpr int64_t kKPerX = 1;  // k values per packed X value
+  static constexpr const char* name = Kind<P>::name;
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+  static void pack(const typename P::T* x, int64_t rows, int64_t K, X* out) { fp32_gemm::pack_rows(x, rows, K, out); }
+  static void block(int64_t rows, const X* xp, const typename P::T* panel, int64_t K, float* y, int64_t ldy,
+                    fp32_gemm::Prefetch<P> pf) {
+    fp32_gemm::packed_rows_block<P>(rows, xp, panel, P::kStep, K, y, ldy, pf);
+  }
+#endif
+};
+
+template <class Dot>
+struct DotMath {
+  using Panel = Bf16PairPanel;
+  using X = uint32_t;
+  static constexpr int64_t kKPerX = 2;
+  static constexpr const char* name = "bf16_dot";
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+  static void pack(const uint16_t* x, int64_t rows, int64_t K, X* out) { fp32_gemm::pack_row_pairs(x, rows, K, out); }
+  static void block(int64_t rows, const X* xp, const uint16_t* panel, int64_t K, float* y, int64_t ldy,
+                    fp32_gemm::Prefetch<Panel> pf) {
+    fp32_gemm::pair_rows_block<Dot>(rows, xp, panel, K, y, ldy, pf);
+  }
+#endif
+};
+
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
 
 // 16 fp32 values rounded to bf16 as c10::BFloat16 rounds them: to nearest even, NaN a quiet NaN.
@@ -77,9 +116,10 @@ PAGEDSERVE_AVX512 inline void store_bf16(const float* src, uint16_t* dst) {
 
 // Panels [p0, p1) of y for rows [0, M), from x packed by pack_x, plus the bias. fp32 outputs are
 // summed in place; bf16 outputs in a chunk-sized fp32 buffer, then rounded once into y.
-template <class Panel, class Out>
-void panels(const float* xp, const typename Panel::T* w, const float* bias, Out* y, int64_t M, int64_t K,
-            int64_t N, int64_t p0, int64_t p1) {
+template <class Math, class Out>
+void panels(const typename Math::X* xp, const typename Math::Panel::T* w, const float* bias, Out* y, int64_t M,
+            int64_t K, int64_t N, int64_t p0, int64_t p1) {
+  using Panel = typename Math::Panel;
   constexpr bool kInPlace = std::is_same<Out, float>::value;
   const int64_t panel_values = K / Panel::kK * Panel::kStep;
   std::vector<float> sums(kInPlace ? 0 : static_cast<size_t>(kChunkRows * kPanel));
@@ -94,8 +134,7 @@ void panels(const float* xp, const typename Panel::T* w, const float* bias, Out*
       const int64_t ld = kInPlace ? N : kPanel;
       for (int64_t i = 0; i < num_blocks; ++i) {
         const int64_t r0 = i * kBlockRows, rows = std::min(kBlockRows, c1 - c0 - r0);
-        fp32_gemm::packed_rows_block<Panel>(rows, xp + (c0 + r0) * K, panel, Panel::kStep, K, first + r0 * ld, ld,
-                                            {next, i, num_blocks});
+        Math::block(rows, xp + (c0 + r0) * K / Math::kKPerX, panel, K, first + r0 * ld, ld, {next, i, num_blocks});
       }
       for (int64_t r = 0; r < c1 - c0; ++r) {
         float* row = first + r * ld;
@@ -112,18 +151,19 @@ void panels(const float* xp, const typename Panel::T* w, const float* bias, Out*
   }
 }
 
-// x [M, K] in fp32 with each 12-row block interleaved (fp32_gemm::pack_rows), blocks in row order:
-// block i starts at row 12 i's offset, i * 12 * K.
-template <class X>
+// x [M, K] as Math's block reads it, each 12-row block interleaved, blocks in row order: block i
+// starts at row 12 i's offset, i * 12 * K / Math::kKPerX X values.
+template <class Math>
 torch::Tensor pack_x(const torch::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1);
-  torch::Tensor packed = torch::empty({M, K}, x.options().dtype(torch::kFloat));
-  const X* src = reinterpret_cast<const X*>(x.data_ptr());
-  float* dst = packed.data_ptr<float>();
+  const int64_t M = x.size(0), K = x.size(1), per_row = K / Math::kKPerX;
+  static_assert(sizeof(typename Math::X) == 4, "packed x values are 32 bits");
+  torch::Tensor packed = torch::empty({M, per_row}, x.options().dtype(torch::kFloat));  // 32-bit storage
+  const auto* src = reinterpret_cast<const typename Math::Panel::T*>(x.data_ptr());
+  auto* dst = reinterpret_cast<typename Math::X*>(packed.data_ptr());
   at::parallel_for(0, (M + kBlockRows - 1) / kBlockRows, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r0 = b * kBlockRows;
-      fp32_gemm::pack_rows(src + r0 * K, std::min(kBlockRows, M - r0), K, dst + r0 * K);
+      Math::pack(src + r0 * K, std::min(kBlockRows, M - r0), K, dst + r0 * per_row);
     }
   });
   return packed;
@@ -165,33 +205,36 @@ torch::Tensor pack_weight(const torch::Tensor& weight) {
   return packed;
 }
 
-template <class Panel>
+template <class Math>
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                      int64_t out_features) {
-  check_matrix<Panel>(x, "x");
-  TORCH_CHECK(fp32_gemm::available(), Kind<Panel>::name, "_linear: this CPU (or build) offers no AVX-512");
+  using Panel = typename Math::Panel;
+  const char* name = Math::name;
+  TORCH_CHECK(x.scalar_type() == Kind<Panel>::dtype && x.dim() == 2 && x.is_contiguous(), name, "_linear: x must be a ",
+              "contiguous 2-D ", dtype_name(Kind<Panel>::dtype), " tensor, got ", dtype_name(x.scalar_type()), " ",
+              x.sizes());
+  TORCH_CHECK(fp32_gemm::available(), name, "_linear: this CPU (or build) offers no AVX-512");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(packed.scalar_type() == Kind<Panel>::dtype && packed.is_contiguous() && packed.numel() == N * K &&
                   N % kPanel == 0 && K % Panel::kK == 0,
-              Kind<Panel>::name, "_linear: packed must be ", Kind<Panel>::name, "_pack_weight's result for a [", N,
-              ", ", K, "] weight");
+              name, "_linear: packed must be ", Kind<Panel>::name, "_pack_weight's result for a [", N, ", ", K,
+              "] weight");
   torch::Tensor bias32;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == Kind<Panel>::dtype && bias->is_contiguous() && bias->numel() == N,
-                Kind<Panel>::name, "_linear: bias must be contiguous ", dtype_name(Kind<Panel>::dtype),
-                " [out_features]");
+    TORCH_CHECK(bias->scalar_type() == Kind<Panel>::dtype && bias->is_contiguous() && bias->numel() == N, name,
+                "_linear: bias must be contiguous ", dtype_name(Kind<Panel>::dtype), " [out_features]");
     bias32 = bias->to(torch::kFloat);
   }
   torch::Tensor y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
-  const torch::Tensor x_packed = pack_x<typename Panel::T>(x);
-  const float* xp = x_packed.data_ptr<float>();
+  const torch::Tensor x_packed = pack_x<Math>(x);
+  const auto* xp = reinterpret_cast<const typename Math::X*>(x_packed.data_ptr());
   const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   const auto* w = values<Panel>(packed);
   using Out = std::conditional_t<std::is_same<Panel, Fp32Panel>::value, float, c10::BFloat16>;
   Out* out = y.data_ptr<Out>();
-  at::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) { panels<Panel>(xp, w, b, out, M, K, N, p0, p1); });
+  at::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) { panels<Math>(xp, w, b, out, M, K, N, p0, p1); });
 #endif
   return y;
 }
@@ -228,11 +271,12 @@ torch::Tensor packed_rows(const torch::Tensor& packed, const torch::Tensor& ids,
 }  // namespace
 
 bool avx512_kernels_available() { return fp32_gemm::available(); }
+bool avx512_bf16_dot_native() { return fp32_gemm::native_bf16_dot(); }
 
 torch::Tensor fp32_pack_weight(torch::Tensor weight) { return pack_weight<Fp32Panel>(weight); }
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                           int64_t out_features) {
-  return linear<Fp32Panel>(x, packed, bias, out_features);
+  return linear<FmaMath<Fp32Panel>>(x, packed, bias, out_features);
 }
 torch::Tensor fp32_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features) {
   return packed_rows<Fp32Panel>(packed, ids, in_features);
@@ -241,7 +285,13 @@ torch::Tensor fp32_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t 
 torch::Tensor bf16_pack_weight(torch::Tensor weight) { return pack_weight<Bf16PairPanel>(weight); }
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                           int64_t out_features) {
-  return linear<Bf16PairPanel>(x, packed, bias, out_features);
+  return linear<FmaMath<Bf16PairPanel>>(x, packed, bias, out_features);
+}
+// vdpbf16ps where the CPU has it, else its emulation (fp32_gemm::EmulatedDot: for tests).
+torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                              int64_t out_features) {
+  if (fp32_gemm::native_bf16_dot()) return linear<DotMath<fp32_gemm::NativeDot>>(x, packed, bias, out_features);
+  return linear<DotMath<fp32_gemm::EmulatedDot>>(x, packed, bias, out_features);
 }
 torch::Tensor bf16_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features) {
   return packed_rows<Bf16PairPanel>(packed, ids, in_features);

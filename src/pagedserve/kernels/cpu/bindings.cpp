@@ -30,7 +30,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_packed_rows", &amx_packed_rows, "Rows ids of the weight amx_pack_weight packed ([len(ids), in]).",
         py::arg("packed"), py::arg("ids"), py::arg("in_features"));
   m.def("avx512_kernels_available", &avx512_kernels_available,
-        "Whether this CPU can run the fp32 / bf16 linear kernels and paged_prefill_attention (AVX-512F).");
+        "Whether this CPU can run the fp32 / bf16 linear kernels and paged_prefill_attention (AVX-512 F and BW).");
+  m.def("avx512_bf16_dot_native", &avx512_bf16_dot_native,
+        "Whether bf16_dot_linear runs AVX512-BF16's dot product here (else an emulation of it, for tests).");
   m.def("fp32_pack_weight", &fp32_pack_weight, "An fp32 [out, in] weight in fp32_linear's panel layout.",
         py::arg("weight"));
   m.def("fp32_linear", &fp32_linear, "x @ weight.T (+ bias) in fp32 on AVX-512, weight from fp32_pack_weight.",
@@ -41,6 +43,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"));
   m.def("bf16_linear", &bf16_linear,
         "x @ weight.T (+ bias) for bf16 x and weight in fp32 math on AVX-512F, weight from bf16_pack_weight.",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
+  m.def("bf16_dot_linear", &bf16_dot_linear,
+        "x @ weight.T (+ bias) for bf16 x and weight by bf16 pair dot products (vdpbf16ps), weight from bf16_pack_weight.",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
   m.def("bf16_packed_rows", &bf16_packed_rows, "Rows ids of the weight bf16_pack_weight packed ([len(ids), in]).",
         py::arg("packed"), py::arg("ids"), py::arg("in_features"));

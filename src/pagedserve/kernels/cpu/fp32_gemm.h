@@ -1,11 +1,14 @@
 // The fp32 register block shared by the AVX-512 linear layers (avx512_linear.cpp) and the prefill
 // attention (paged_prefill_attention.cpp): y[R rows, 32 columns] = x[R, K] @ panel[K, 32] on
-// AVX-512F, R = 1 .. 12, in 24 zmm accumulators (two per row). x is fp32; the panel is fp32
-// (Fp32Panel) or bf16 (Bf16PairPanel), widened to fp32 on load: the math is fp32 either way.
+// AVX-512, R = 1 .. 12, in 24 zmm accumulators (two per row). In `block`, x is fp32 and the panel
+// fp32 (Fp32Panel) or bf16 (Bf16PairPanel) widened to fp32 on load: the math is fp32 either way. In
+// `pair_block`, x and the panel are both bf16 in pairs of k, each pair's two products added to the
+// sums by AVX512-BF16's dot product (twice the multiply-adds per instruction).
 //
-// Each output is a single fp32 sum of fused multiply-adds over k in order, taken in blocks of
-// kSumBlock whose partial sums are then added up (two-level summation: the error grows with
-// K / 128 + 128 rather than K; measured below MKL's on SmolLM2's shapes). A caller streaming cold
+// Each output is a single fp32 sum of fused multiply-adds over k in order (pair_block: each pair's
+// k + 1 before its k, as vdpbf16ps adds them), taken in blocks of kSumBlock whose partial sums are
+// then added up (two-level summation: the error grows with K / 128 + 128 rather than K; measured
+// below MKL's on SmolLM2's shapes). A caller streaming cold
 // panels can have the block prefetch the next one into L2 while it computes (Prefetch).
 #pragma once
 
@@ -19,6 +22,7 @@
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define PAGEDSERVE_AVX512 __attribute__((target("avx512f")))
+#define PAGEDSERVE_AVX512_BF16 __attribute__((target("avx512f,avx512bf16")))
 #define PAGEDSERVE_HAVE_AVX512_GEMM 1
 #endif
 
@@ -29,11 +33,22 @@ constexpr int64_t kPanel = 32;      // columns of a panel: two zmm registers
 constexpr int64_t kBlockRows = 12;  // rows per register block: 24 accumulators
 constexpr int64_t kSumBlock = 128;  // k values summed apart before their sum joins the total
 
-// Whether the block runs here (built for x86-64 by GCC, and the CPU has AVX-512F): the one answer
-// for every kernel built on it.
+// Whether the blocks run here (built for x86-64 by GCC, and the CPU has AVX-512 F and BW, as every
+// AVX-512 CPU since Skylake): the one answer for every kernel built on them. (pair_block is
+// compiled for AVX512-BF16, which implies BW, and only emulates the dot product without it.)
 inline bool available() {
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
-  static const bool ok = __builtin_cpu_supports("avx512f");
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// Whether the CPU has AVX512-BF16's dot product (vdpbf16ps), which pair_block then uses.
+inline bool native_bf16_dot() {
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+  static const bool ok = available() && __builtin_cpu_supports("avx512bf16");
   return ok;
 #else
   return false;
@@ -74,6 +89,31 @@ struct Bf16PairPanel {
 #endif
 };
 
+// acc + x.k * w.k + x.(k+1) * w.(k+1) per 32-bit lane, where x and w hold bf16 pairs (k in the low
+// half, k + 1 in the high half). NativeDot: vdpbf16ps. EmulatedDot: the same two multiply-adds on
+// the widened values, in the instruction's order (k + 1 first), each rounded to nearest even, as
+// vdpbf16ps rounds them (which also flushes subnormals to zero): it lets every AVX-512 CPU test the
+// block's packing and blocking, and is slower there than `block` over a Bf16PairPanel.
+struct NativeDot {
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+  static PAGEDSERVE_AVX512_BF16 inline __m512 dot(__m512 acc, __m512i x, __m512i w) {
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(x), reinterpret_cast<__m512bh>(w));
+  }
+#endif
+};
+struct EmulatedDot {
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+  static PAGEDSERVE_AVX512 inline __m512 dot(__m512 acc, __m512i x, __m512i w) {
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    const __m512 x_k = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    const __m512 w_k = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    const __m512 x_k1 = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+    const __m512 w_k1 = _mm512_castsi512_ps(_mm512_and_si512(w, high));
+    return _mm512_fmadd_ps(x_k, w_k, _mm512_fmadd_ps(x_k1, w_k1, acc));
+  }
+#endif
+};
+
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
 
 // Steps of `next` (step stride ldp, in T values) with step % every == phase are prefetched into
@@ -85,6 +125,42 @@ struct Prefetch {
   int64_t phase = 0, every = 1;
 };
 
+// The prefetch of `pf.next`'s step `step` when it is this block's turn (see Prefetch).
+template <class Panel>
+PAGEDSERVE_AVX512 inline void prefetch_step(const Prefetch<Panel>& pf, int64_t step, int64_t ldp, int64_t& due) {
+  if (step == due) {
+    _mm_prefetch(reinterpret_cast<const char*>(pf.next + step * ldp), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(pf.next + step * ldp) + 64, _MM_HINT_T1);
+    due += pf.every;
+  }
+}
+
+// One sum block's partial sums of rows [0, R) into y: stored by the first block (k0 = 0), added to
+// what the earlier ones stored by the others.
+template <int R>
+PAGEDSERVE_AVX512 inline void fold_sums(const __m512* lo, const __m512* hi, bool first, float* y, int64_t ldy) {
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    float* yr = y + r * ldy;
+    __m512 a = lo[r], b = hi[r];
+    if (!first) {
+      a = _mm512_add_ps(_mm512_loadu_ps(yr), a);
+      b = _mm512_add_ps(_mm512_loadu_ps(yr + 16), b);
+    }
+    _mm512_storeu_ps(yr, a);
+    _mm512_storeu_ps(yr + 16, b);
+  }
+}
+
+template <int R>
+PAGEDSERVE_AVX512 inline void zero_rows(float* y, int64_t ldy) {
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(y + r * ldy, _mm512_setzero_ps());
+    _mm512_storeu_ps(y + r * ldy + 16, _mm512_setzero_ps());
+  }
+}
+
 // y[r * ldy + c] = sum_k x(r, k) * panel(k, c), r < R, c < 32, where panel(k, c) is column c of
 // the k-th value of the panel's steps (ldp T values apart), and x(r, k) is x[r * ldx + k] (rows as
 // they lie) or, PackedX, x[k * R + r] (rows interleaved by pack_rows: one pointer and constant
@@ -95,18 +171,14 @@ PAGEDSERVE_AVX512 void block(const float* x, int64_t ldx, const typename Panel::
   constexpr int kK = Panel::kK;
   static_assert(kSumBlock % kK == 0, "a sum block holds whole steps");
   __m512 lo[R], hi[R];
-  int64_t prefetch_step = pf.next != nullptr ? pf.phase : K;
+  int64_t due = pf.next != nullptr ? pf.phase : K;
   for (int64_t k0 = 0; k0 < K; k0 += kSumBlock) {
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
     const int64_t k1 = std::min(K, k0 + kSumBlock);
     for (int64_t k = k0; k < k1; k += kK) {
       const int64_t step = k / kK;
-      if (step == prefetch_step) {
-        _mm_prefetch(reinterpret_cast<const char*>(pf.next + step * ldp), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(pf.next + step * ldp) + 64, _MM_HINT_T1);
-        prefetch_step += pf.every;
-      }
+      prefetch_step(pf, step, ldp, due);
       __m512 w[2 * kK];
       Panel::load(panel + step * ldp, w);
 #pragma GCC unroll 2
@@ -119,24 +191,37 @@ PAGEDSERVE_AVX512 void block(const float* x, int64_t ldx, const typename Panel::
         }
       }
     }
+    fold_sums<R>(lo, hi, k0 == 0, y, ldy);
+  }
+  if (K == 0) zero_rows<R>(y, ldy);
+}
+
+// y[r * ldy + c] = sum_k x(r, k) * panel(k, c) as `block` computes it, over a Bf16PairPanel and x
+// in bf16 pairs interleaved by pack_row_pairs (x[s * R + r]: row r's k = 2s and 2s + 1), one Dot
+// per pair and 32 columns. The sums are blocked as in `block`. K is even.
+template <int R, class Dot>
+PAGEDSERVE_AVX512_BF16 void pair_block(const uint32_t* x, const uint16_t* panel, int64_t K, float* y, int64_t ldy,
+                                       Prefetch<Bf16PairPanel> pf) {
+  constexpr int64_t ldp = Bf16PairPanel::kStep;
+  __m512 lo[R], hi[R];
+  int64_t due = pf.next != nullptr ? pf.phase : K;
+  for (int64_t k0 = 0; k0 < K; k0 += kSumBlock) {
 #pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) {
-      float* yr = y + r * ldy;
-      if (k0 > 0) {
-        lo[r] = _mm512_add_ps(_mm512_loadu_ps(yr), lo[r]);
-        hi[r] = _mm512_add_ps(_mm512_loadu_ps(yr + 16), hi[r]);
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+    const int64_t s1 = std::min(K, k0 + kSumBlock) / 2;
+    for (int64_t s = k0 / 2; s < s1; ++s) {
+      prefetch_step(pf, s, ldp, due);
+      const __m512i w0 = _mm512_loadu_si512(panel + s * ldp), w1 = _mm512_loadu_si512(panel + s * ldp + 32);
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) {
+        const __m512i xr = _mm512_set1_epi32(static_cast<int>(x[s * R + r]));
+        lo[r] = Dot::dot(lo[r], xr, w0);
+        hi[r] = Dot::dot(hi[r], xr, w1);
       }
-      _mm512_storeu_ps(yr, lo[r]);
-      _mm512_storeu_ps(yr + 16, hi[r]);
     }
+    fold_sums<R>(lo, hi, k0 == 0, y, ldy);
   }
-  if (K == 0) {
-#pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) {
-      _mm512_storeu_ps(y + r * ldy, _mm512_setzero_ps());
-      _mm512_storeu_ps(y + r * ldy + 16, _mm512_setzero_ps());
-    }
-  }
+  if (K == 0) zero_rows<R>(y, ldy);
 }
 
 template <class Panel>
@@ -163,6 +248,22 @@ inline void packed_rows_block(int64_t rows, const float* packed, const typename 
   table[rows - 1](packed, 0, panel, ldp, K, y, ldy, pf);
 }
 
+template <class Dot>
+using PairBlockFn = void (*)(const uint32_t*, const uint16_t*, int64_t, float*, int64_t, Prefetch<Bf16PairPanel>);
+
+template <class Dot, int... R>
+constexpr std::array<PairBlockFn<Dot>, sizeof...(R)> pair_block_table(std::integer_sequence<int, R...>) {
+  return {&pair_block<R + 1, Dot>...};
+}
+
+// pair_block<rows> for rows = 1 .. kBlockRows over rows packed by pack_row_pairs.
+template <class Dot>
+inline void pair_rows_block(int64_t rows, const uint32_t* packed, const uint16_t* panel, int64_t K, float* y,
+                            int64_t ldy, Prefetch<Bf16PairPanel> pf = {}) {
+  static constexpr auto table = pair_block_table<Dot>(std::make_integer_sequence<int, kBlockRows>{});
+  table[rows - 1](packed, panel, K, y, ldy, pf);
+}
+
 inline float widen(float v) { return v; }
 inline float widen(uint16_t bf16) {  // bf16 is the top half of an fp32
   const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
@@ -177,6 +278,14 @@ template <class X>
 inline void pack_rows(const X* x, int64_t rows, int64_t K, float* out) {
   for (int64_t k = 0; k < K; ++k) {
     for (int64_t r = 0; r < rows; ++r) out[k * rows + r] = widen(x[r * K + k]);
+  }
+}
+
+// Rows [0, rows) of bf16 x [.., K] (row stride K, K even) as pairs of k for pair_rows_block:
+// out[s * rows + r] holds x[r][2s] in its low half and x[r][2s + 1] in its high half.
+inline void pack_row_pairs(const uint16_t* x, int64_t rows, int64_t K, uint32_t* out) {
+  for (int64_t s = 0; s < K / 2; ++s) {
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(out + s * rows + r, x + r * K + 2 * s, sizeof(uint32_t));
   }
 }
 

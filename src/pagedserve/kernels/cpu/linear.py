@@ -1,6 +1,7 @@
 """Linear layers with weights packed once at load into the layout a kernel streams, each weight
-byte read once per call: bf16 on Intel AMX (amx_linear.cpp), fp32 on AVX-512 and bf16 on AVX-512
-without native bf16 (avx512_linear.cpp, fp32 math).
+byte read once per call: bf16 on Intel AMX (amx_linear.cpp); on AVX-512 (avx512_linear.cpp) fp32,
+bf16 by AVX512-BF16's dot product where the CPU has it without AMX, and bf16 in fp32 math where it
+has no bf16 instructions.
 
 Measured on a 2-core AMX Xeon, SmolLM2-135M's 120 decoder projections with cold weights, bf16:
 56 rows 20.6 -> 15.5 ms, one row 15.2 -> 10.9 ms, 512 rows 68.7 -> 58.9 ms against oneDNN's
@@ -25,7 +26,7 @@ from pagedserve.kernels.cpu.build import CpuKernelsUnavailable, load_extension
 
 
 @dataclass(frozen=True)
-class _PackedKernel:
+class PackedKernel:
     """One kernel's entry points in the extension and the shapes its blocking takes."""
 
     available: str  # () -> bool
@@ -34,24 +35,28 @@ class _PackedKernel:
     rows: str  # (packed, ids, in_features) -> weight[ids]
     out_multiple: int
     in_multiple: int
-    # fp32 math on bf16 weights: worth it only where bf16 has no dot-product instructions.
-    unless_native_bf16: bool = False
+    # Taken only where native_bf16() is this (None: either way).
+    needs_native_bf16: bool | None = None
 
+
+# Outputs in groups of 32 columns, inputs in slices of 32 (two 16 x 32 bf16 tiles).
+AMX_BF16 = PackedKernel("amx_linear_available", "amx_pack_weight", "amx_linear", "amx_packed_rows", 32, 32)
+# Outputs in panels of 32 columns (two zmm registers); any number of inputs.
+AVX512_FP32 = PackedKernel("avx512_kernels_available", "fp32_pack_weight", "fp32_linear", "fp32_packed_rows", 32, 1)
+# bf16 panels of 32 columns with inputs in pairs, multiplied by vdpbf16ps (AVX512-BF16 CPUs without
+# AMX: AMD Zen 4 and later, Cooper Lake). Unmeasured against oneDNN's bf16 matmul on such a CPU; the
+# AMX kernel's measurements on the same streaming design are why it is preferred (docs/benchmarks.md).
+AVX512_BF16_DOT = PackedKernel("avx512_kernels_available", "bf16_pack_weight", "bf16_dot_linear", "bf16_packed_rows",
+                               32, 2, needs_native_bf16=True)
+# The same panels in fp32 math: only where the CPU has no bf16 instructions, where oneDNN's bf16
+# matmul emulates them (3.5x slower than this on an AVX-512 Xeon).
+AVX512_BF16_FP32_MATH = PackedKernel("avx512_kernels_available", "bf16_pack_weight", "bf16_linear",
+                                     "bf16_packed_rows", 32, 2, needs_native_bf16=False)
 
 # Per dtype, the kernels in order of preference; the first that runs here takes the weight.
 _KERNELS = {
-    torch.bfloat16: (
-        # Outputs in groups of 32 columns, inputs in slices of 32 (two 16 x 32 bf16 tiles).
-        _PackedKernel("amx_linear_available", "amx_pack_weight", "amx_linear", "amx_packed_rows", 32, 32),
-        # Outputs in panels of 32 columns, inputs in pairs. On AVX512-BF16 (no AMX) oneDNN's bf16
-        # matmul does twice this kernel's multiply-adds per instruction; it keeps those CPUs.
-        _PackedKernel("avx512_kernels_available", "bf16_pack_weight", "bf16_linear", "bf16_packed_rows", 32, 2,
-                      unless_native_bf16=True),
-    ),
-    # Outputs in panels of 32 columns (two zmm registers); any number of inputs.
-    torch.float32: (
-        _PackedKernel("avx512_kernels_available", "fp32_pack_weight", "fp32_linear", "fp32_packed_rows", 32, 1),
-    ),
+    torch.bfloat16: (AMX_BF16, AVX512_BF16_DOT, AVX512_BF16_FP32_MATH),
+    torch.float32: (AVX512_FP32,),
 }
 
 
@@ -62,31 +67,43 @@ def native_bf16() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _available(kernel: _PackedKernel) -> bool:
-    if kernel.unless_native_bf16 and native_bf16():
-        return False
+def _runs_here(kernel: PackedKernel) -> bool:
     try:
         return bool(getattr(load_extension(), kernel.available)())
     except CpuKernelsUnavailable:
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def _available(kernel: PackedKernel) -> bool:
+    """Whether the kernel runs here and this CPU is one it is meant for."""
+    if kernel.needs_native_bf16 is not None and kernel.needs_native_bf16 != native_bf16():
+        return False
+    return _runs_here(kernel)
+
+
 def amx_available() -> bool:
-    return _available(_KERNELS[torch.bfloat16][0])
+    return _available(AMX_BF16)
 
 
 def avx512_available() -> bool:
-    """Whether the AVX-512 kernels (fp32 and, without native bf16, bf16 linear layers here, and
-    attention.py's prefill) run here."""
-    return _available(_KERNELS[torch.float32][0])
+    """Whether the AVX-512 kernels (fp32 linear layers here, bf16 ones per bf16_fp32_math_available
+    and AVX512_BF16_DOT, and attention.py's prefill) run here."""
+    return _available(AVX512_FP32)
 
 
 def bf16_fp32_math_available() -> bool:
-    """Whether bf16 layers take the AVX-512 kernels' fp32 math here (AVX-512F, no native bf16)."""
-    return _available(_KERNELS[torch.bfloat16][1])
+    """Whether bf16 layers take the AVX-512 kernels' fp32 math here (AVX-512, no native bf16)."""
+    return _available(AVX512_BF16_FP32_MATH)
 
 
-def _kernel_for(weight: Tensor) -> _PackedKernel | None:
+def runnable_kernels(dtype: torch.dtype) -> tuple[PackedKernel, ...]:
+    """This dtype's kernels that run on this CPU, preferred first, whether or not it is one they
+    are meant for (bench/linear_kernels.py compares them all)."""
+    return tuple(kernel for kernel in _KERNELS.get(dtype, ()) if _runs_here(kernel))
+
+
+def _kernel_for(weight: Tensor) -> PackedKernel | None:
     out_features, in_features = weight.shape
     for kernel in _KERNELS.get(weight.dtype, ()):
         if out_features % kernel.out_multiple == 0 and in_features % kernel.in_multiple == 0 and _available(kernel):
@@ -97,13 +114,16 @@ def _kernel_for(weight: Tensor) -> _PackedKernel | None:
 def prepack_linear(weight: Tensor) -> Callable[[Tensor, Tensor | None], Tensor] | None:
     """A function (x, bias) -> x @ weight.T + bias over a packed copy of ``weight`` [out, in], or
     None where no kernel applies (not a CPU bf16 / fp32 matrix, a shape off the kernels' blocking,
-    neither AMX nor (without native bf16) AVX-512 for bf16, no AVX-512 for fp32); the caller then
-    keeps its own path."""
+    neither AMX nor AVX-512 here); the caller then keeps its own path."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     kernel = _kernel_for(weight)
-    if kernel is None:
-        return None
+    return None if kernel is None else packed_linear(kernel, weight)
+
+
+def packed_linear(kernel: PackedKernel, weight: Tensor) -> Callable[[Tensor, Tensor | None], Tensor]:
+    """prepack_linear's function through this kernel, whichever this CPU prefers (it must run here
+    and take the weight's dtype and shape): how tests reach every kernel a CPU can run."""
     out_features, in_features = weight.shape
     ext = load_extension()
     packed = getattr(ext, kernel.pack)(weight.contiguous())
@@ -117,5 +137,6 @@ def prepack_linear(weight: Tensor) -> Callable[[Tensor, Tensor | None], Tensor] 
         return read_rows(packed, ids, in_features)
 
     linear.packed = packed  # type: ignore[attr-defined]  # for tests and memory accounting
+    linear.kernel = kernel  # type: ignore[attr-defined]
     linear.rows = rows  # type: ignore[attr-defined]
     return linear
