@@ -12,10 +12,12 @@ model_repository/<name>/1/model.py imports this class. Per model instance (one s
   out from the loop thread through the request's response sender.
 * Every request ends with exactly one response flagged FINAL: the last data response on success,
   else a TritonError (the caller's mistake, an engine failure, or CANCELLED).
-* Drain: a Python model is not told that the server is shutting down; the watcher polls
-  pb_utils.is_model_ready() and, once Triton reports the model not ready (SIGTERM, an unload),
-  lets the requests in flight run for drain_timeout and then ends the rest with UNAVAILABLE.
-  Triton itself already refuses new requests then. finalize() drains the same way.
+* Drain: Triton calls finalize() only once the streams in flight have ended, so the watcher
+  notices a server shutdown (SIGTERM, SIGINT) itself: once tritonserver closes its HTTP port
+  (server_watch.py: read from /proc, Triton is not asked), it lets the requests in flight run for
+  drain_timeout and then ends the rest with UNAVAILABLE. Triton itself already refuses new
+  requests then. finalize() drains the same way (an unload through Triton's API: it comes once
+  the streams have ended).
 * A dead engine (repeated step failures) unloads the model (pb_utils.unload_model, as
   vllm_backend does; only in explicit model-control mode), so readiness reports it.
 * Unload: finalize() drains, releases the metric families while the stub can still tell Triton,
@@ -48,6 +50,7 @@ from pagedserve.adapters.triton_server.contracts import (ALL_INPUTS, Contract, C
 from pagedserve.adapters.triton_server.errors import cancelled_error, to_triton_error
 from pagedserve.adapters.triton_server.engine_config import ENGINE_JSON, MODEL_OVERRIDE_ENV, load_engine_config
 from pagedserve.adapters.triton_server.metrics import TritonEngineMetrics
+from pagedserve.adapters.triton_server.server_watch import ServerShutdownWatch
 from pagedserve.core.async_engine import AsyncLLMEngine
 from pagedserve.core.errors import ConfigError, InvalidRequest, PagedServeError
 
@@ -59,8 +62,9 @@ watcher for requests that get no delta (queued, long prefill). A poll is a round
 process; polling on every delta took about 0.8 s of a 4 s run of bench/triton_stream.py on the tiny
 test model (one poll per token), while 0.1 s is far below what a client notices."""
 FINAL = 1  # pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL (the stub defines it as 1)
-READY_POLL_S = 0.5
-"""How often the model asks Triton whether it is still ready (a BLS round trip of about 1 ms)."""
+SHUTDOWN_POLL_S = 0.5
+"""How often the model checks whether tritonserver has closed a port (server_watch.py: tens of µs
+once its ports are known, a few ms per look before)."""
 STUB_EXECUTABLE = "triton_python_backend_stub"
 """The Python backend's process, which runs this model (and nothing else does)."""
 
@@ -128,6 +132,8 @@ class TritonPythonModel:
         self.engine = AsyncLLMEngine(config)
         self._ids = itertools.count()
         self._received_request = False
+        self._server = ServerShutdownWatch(os.getppid()) if _in_triton_stub() else None
+        """Whether tritonserver (the stub's parent) is shutting down; None outside a stub."""
         self._live: dict[str, _Live] = {}
         """request_id -> its response sender and last cancellation poll; loop thread only."""
         self.loop = asyncio.new_event_loop()
@@ -139,13 +145,17 @@ class TritonPythonModel:
         labels = {"model": args["model_name"], "version": args["model_version"]}
         engine = self.engine  # not `self`: a cycle would keep the model to the interpreter's teardown
         self.metrics = TritonEngineMetrics(pb_utils, lambda: engine.metrics, labels)
-        # Last: its readiness polls are calls to Triton too, and must not overlap creating the families.
+        # Last: its cancellation polls are calls to Triton too, and must not overlap creating the families.
         self._watcher = asyncio.run_coroutine_threadsafe(self._watch(), self.loop)
         logger.info("pagedserve: model %s (%s contract) ready", args["model_name"], self.allowed_contract)
 
     # -- request intake (Triton's thread) ---------------------------------------------------------
     def execute(self, requests: list) -> None:
-        self._received_request = True  # Triton sends requests to a ready model only (see _watch)
+        if not self._received_request and self._server is not None:
+            # The server serves, so its ports are open: note them now, in case a SIGTERM closes the
+            # HTTP port before the watcher's first look (within SHUTDOWN_POLL_S of their opening).
+            self._server.shutting_down()
+        self._received_request = True
         for request in requests:
             sender = request.get_response_sender()
             try:
@@ -206,9 +216,9 @@ class TritonPythonModel:
 
     async def _watch(self) -> None:
         """Abort requests whose client went away while they produced no delta (queued,
-        prefilling); start the drain once Triton reports the model not ready; unload the model
-        once the engine is dead."""
-        seen_ready, last_ready_poll, dead_reported = False, 0.0, False
+        prefilling); start the drain once tritonserver begins to shut down; unload the model once
+        the engine is dead."""
+        last_shutdown_poll, dead_reported, blind_reported = 0.0, False, False
         while not self._closing.is_set():
             await asyncio.sleep(CANCEL_POLL_S)
             for request_id, live in list(self._live.items()):
@@ -217,31 +227,20 @@ class TritonPythonModel:
                         self.engine.abort(request_id)  # its stream ends with an "abort" output
                 except Exception:  # noqa: BLE001 - keep watching the others
                     logger.exception("pagedserve: cancellation check of %s failed", request_id)
-            if self._drain is None and time.monotonic() - last_ready_poll >= READY_POLL_S:
-                last_ready_poll = time.monotonic()
-                # On this (daemon) thread, like the cancellation polls: a round trip of about 1 ms.
-                # An executor thread would be joined when the stub exits, so one stuck in a call to
-                # a Triton that is tearing down would hold up the exit.
-                ready = self._model_ready()
-                # Before the model was ever ready the server is still starting. A request received
-                # counts as ready too: a SIGTERM within one poll of the first request (0.5 s) must
-                # still drain.
-                seen_ready = seen_ready or self._received_request
-                if ready is False and seen_ready:
-                    self._begin_drain("Triton reports the model not ready (server shutdown or unload)")
-                seen_ready = seen_ready or bool(ready)
+            if (self._drain is None and self._server is not None
+                    and time.monotonic() - last_shutdown_poll >= SHUTDOWN_POLL_S):
+                last_shutdown_poll = time.monotonic()
+                shutting_down = self._server.shutting_down()
+                if shutting_down:
+                    self._begin_drain("tritonserver is shutting down (it closed its HTTP port)")
+                elif shutting_down is None and not blind_reported:
+                    blind_reported = True
+                    logger.warning("pagedserve: cannot read tritonserver's ports from /proc/%d: a shutdown will "
+                                   "not drain the requests in flight (they run until they end or Triton's exit "
+                                   "timeout)", self._server.pid)
             if not dead_reported and self._drain is None and not self.engine.is_healthy():
                 dead_reported = True
                 await asyncio.to_thread(self._unload_dead_model)
-
-    def _model_ready(self) -> bool | None:
-        """Triton's view of this model; None where the stub cannot ask (no BLS model API)."""
-        if not hasattr(pb_utils, "is_model_ready"):
-            return None
-        try:
-            return bool(pb_utils.is_model_ready(self.model_name))
-        except Exception:  # noqa: BLE001 - "Server not ready": shutting down
-            return False
 
     def _unload_dead_model(self) -> None:
         logger.error("pagedserve: the engine failed and cannot serve; unloading model %s so that its readiness "
@@ -295,8 +294,7 @@ class TritonPythonModel:
             time.sleep(0.05)
         # Let the watcher return before the loop stops (a task left pending is destroyed with the
         # loop, and asyncio logs "Task was destroyed but it is pending!"), and before the metrics
-        # are released: a readiness poll still under way beside those calls to Triton once crashed
-        # the stub (a segfault in SendMessage<ModelLoaderMessage>) and Triton with it.
+        # are released: its cancellation polls are calls to Triton too.
         self._closing.set()
         try:
             self._watcher.result(timeout=CANCEL_POLL_S + 5)
