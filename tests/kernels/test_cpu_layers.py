@@ -30,14 +30,14 @@ def rows(n: int, width: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,width", [(1, 576), (7, 64), (130, 960), (0, 64)])
+@pytest.mark.parametrize("n,width", [(1, 576), (7, 64), (130, 960), (3, 83), (0, 64)])
 def test_rms_norm(dtype, n, width):
     x, weight = rows(n, width, dtype), rows(1, width, dtype, seed=1)[0]
     torch.testing.assert_close(cpu.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,width", [(1, 576), (33, 960), (0, 64)])
+@pytest.mark.parametrize("n,width", [(1, 576), (33, 960), (3, 83), (0, 64)])
 def test_add_rms_norm_in_place(dtype, n, width):
     x, residual, weight = rows(n, width, dtype), rows(n, width, dtype, seed=2), rows(1, width, dtype, seed=3)[0]
     want_normed, want_sum = reference.add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
@@ -50,7 +50,7 @@ def test_add_rms_norm_in_place(dtype, n, width):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,inter", [(1, 1536), (17, 48), (64, 2560), (0, 16)])
+@pytest.mark.parametrize("n,inter", [(1, 1536), (17, 48), (64, 2560), (5, 53), (0, 16)])
 def test_silu_and_mul(dtype, n, inter):
     gate_up = rows(n, 2 * inter, dtype)
     torch.testing.assert_close(cpu.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), **TOL[dtype])
@@ -64,7 +64,7 @@ def rotary_tables(max_pos: int, head_dim: int, dtype: torch.dtype) -> tuple[torc
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 2, 16)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 2, 16), (2, 1, 96)])
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3-qk-norm"])
 def test_rotary_qkv(dtype, heads, kv_heads, head_dim, qk_norm):
     n = 11
