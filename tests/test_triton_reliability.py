@@ -44,15 +44,18 @@ def settings(model_dir, **extra):
             "num_kv_blocks": 256, "max_waiting_requests": 2, **extra}
 
 
-def launch(tmp, engine_settings: dict, delay: float):
-    """A tritonserver serving the text model of a copy of the shipped repository, with the hooks."""
+def launch(tmp, engine_settings: dict, delay: float, explicit: bool = True):
+    """A tritonserver serving the text model of a copy of the shipped repository, with the hooks;
+    in explicit model-control mode, as `pagedserve triton` runs it, or else Triton's default (none:
+    it loads every model of the repository, which holds only this one)."""
     repo = tmp / "model_repository"
     shutil.copytree(DEFAULT_REPOSITORY, repo)
     (repo / "pagedserve" / "1" / "engine.json").write_text(json.dumps(engine_settings))
     fault_file = tmp / "fault"
     install_triton_hooks(repo / "pagedserve", delay, fault_file)
     http, grpc, metrics = free_ports(3)
-    srv = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, models=["pagedserve"],
+    srv = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics,
+                       models=["pagedserve"] if explicit else None,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
                        log_path=tmp / "tritonserver.log", timeout=240)
     return srv, fault_file
@@ -72,8 +75,8 @@ def fresh(tmp_path, tiny_model_dir):
     """A server of its own for tests that end it (drain) or break it (dead engine)."""
     servers = []
 
-    def make(delay: float, **extra):
-        srv, fault_file = launch(tmp_path, settings(tiny_model_dir("llama"), **extra), delay)
+    def make(delay: float, explicit: bool = True, **extra):
+        srv, fault_file = launch(tmp_path, settings(tiny_model_dir("llama"), **extra), delay, explicit)
         servers.append(srv)
         return srv, fault_file
 
@@ -353,6 +356,28 @@ def test_a_dead_engine_unloads_the_model(fresh):
         client.close()
     res = grpc_request(srv.grpc_url, "pagedserve", text_inputs(PROMPT, False, {"max_tokens": 4}))
     assert res.error is not None and not res.responses
+
+
+def test_a_dead_engine_outside_explicit_mode_keeps_the_server_up_and_says_why(fresh):
+    """Outside explicit model-control mode the model cannot unload itself (the call would fail, and
+    a failing call to Triton can crash the stub and the server with it): requests get an error, the
+    server keeps serving, and the log says why the model still reports ready."""
+    srv, fault_file = fresh(0.0, explicit=False)
+    for _ in range(3):
+        fault_file.write_text("raise once")
+        res = grpc_request(srv.grpc_url, "pagedserve", text_inputs(PROMPT, False, {"max_tokens": 4}))
+        assert res.error is not None and "injected fault" in res.error.message()
+    assert wait_for(lambda: "not in explicit model-control mode" in srv.log_path.read_text(errors="replace"),
+                    timeout=30)
+    res = grpc_request(srv.grpc_url, "pagedserve", text_inputs(PROMPT, False, {"max_tokens": 4}))
+    assert res.error is not None and not res.responses
+    client = grpcclient.InferenceServerClient(srv.grpc_url)
+    try:
+        assert client.is_server_live() and client.is_model_ready("pagedserve")
+    finally:
+        client.close()
+    log = srv.log_path.read_text(errors="replace")
+    assert srv.process.poll() is None and "could not unload" not in log and "Fatal Python error" not in log
 
 
 def test_bad_timeout_parameter_type_is_named():

@@ -1,6 +1,7 @@
 """server_watch: the TCP ports a process listens on, read from /proc, checked against what the
-process itself says of its sockets (their fds and inodes, from os.fstat); and the watch the Triton
-model polls, which reports a shutdown once a port seen open is gone, and never before."""
+process itself says of its sockets (their fds and inodes, from os.fstat); the watch the Triton
+model polls, which reports a shutdown once a port seen open is gone, and never before; and the
+model-control mode read from a process's command line."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import sys
 
 import pytest
 
-from pagedserve.adapters.triton_server.server_watch import ServerShutdownWatch, listening_ports
+from pagedserve.adapters.triton_server.server_watch import (ServerShutdownWatch, explicit_model_control,
+                                                            listening_ports)
 
 SERVER = r"""
 import json, os, socket, sys
@@ -126,3 +128,29 @@ def test_a_server_without_open_ports_is_not_shutting_down(server):
     assert watch.shutting_down() is False and watch.shutting_down() is False
     server.tell("close", "http")
     assert watch.shutting_down() is True
+
+
+@pytest.mark.parametrize("args,explicit", [
+    (["--model-control-mode=explicit", "--load-model=pagedserve"], True),
+    (["--model-control-mode", "explicit"], True),
+    (["--model-control-mode=poll"], False),
+    ([], False),  # Triton's default: none
+    (["--model-control-mode=explicit", "--model-control-mode=none"], False),  # the last one counts
+    (["--model-repository=/models/--model-control-mode=explicit"], False),  # only the option itself
+])
+def test_explicit_model_control_is_read_from_the_command_line(args, explicit):
+    """A child whose argv carries the options as tritonserver's would (python ignores what follows -c).
+    It says when it runs: until its exec is through, /proc shows an empty command line."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; print(flush=True); sys.stdin.read()", *args],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()
+        assert explicit_model_control(child.pid) is explicit
+    finally:
+        child.communicate(timeout=10)
+
+
+def test_explicit_model_control_of_a_process_gone_is_unknown():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=10)
+    assert explicit_model_control(child.pid) is None

@@ -19,7 +19,9 @@ model_repository/<name>/1/model.py imports this class. Per model instance (one s
   requests then. finalize() drains the same way (an unload through Triton's API: it comes once
   the streams have ended).
 * A dead engine (repeated step failures) unloads the model (pb_utils.unload_model, as
-  vllm_backend does; only in explicit model-control mode), so readiness reports it.
+  vllm_backend does), so readiness reports it: only in explicit model-control mode, read from
+  tritonserver's command line (elsewhere the call fails, and a failing call can crash the stub;
+  the model then answers UNAVAILABLE and says why in the log).
 * Unload: finalize() drains, releases the metric families while the stub can still tell Triton,
   and lets the stub skip the interpreter's own teardown (see _exit_without_teardown).
 
@@ -50,7 +52,7 @@ from pagedserve.adapters.triton_server.contracts import (ALL_INPUTS, Contract, C
 from pagedserve.adapters.triton_server.errors import cancelled_error, to_triton_error
 from pagedserve.adapters.triton_server.engine_config import ENGINE_JSON, MODEL_OVERRIDE_ENV, load_engine_config
 from pagedserve.adapters.triton_server.metrics import TritonEngineMetrics
-from pagedserve.adapters.triton_server.server_watch import ServerShutdownWatch
+from pagedserve.adapters.triton_server.server_watch import ServerShutdownWatch, explicit_model_control
 from pagedserve.core.async_engine import AsyncLLMEngine
 from pagedserve.core.errors import ConfigError, InvalidRequest, PagedServeError
 
@@ -243,6 +245,12 @@ class TritonPythonModel:
                 await asyncio.to_thread(self._unload_dead_model)
 
     def _unload_dead_model(self) -> None:
+        if self._server is not None and not explicit_model_control(self._server.pid):
+            # unload_model would fail outside explicit mode, and a failing call can crash the stub.
+            logger.error("pagedserve: the engine failed and cannot serve; model %s answers UNAVAILABLE until the "
+                         "server is restarted (tritonserver is not in explicit model-control mode, so the model "
+                         "cannot unload itself to make its readiness report it)", self.model_name)
+            return
         logger.error("pagedserve: the engine failed and cannot serve; unloading model %s so that its readiness "
                      "reports it", self.model_name)
         try:

@@ -67,6 +67,25 @@ def still_open(pid: int, ports: dict[str, int]) -> bool | None:
     return True
 
 
+def explicit_model_control(pid: int) -> bool | None:
+    """Whether tritonserver `pid` runs in explicit model-control mode (`--model-control-mode
+    explicit`, as `pagedserve triton` starts it), read from its command line; None where /proc
+    cannot tell. Only then may a model unload itself: otherwise pb_utils.unload_model fails, and a
+    failing call to Triton is the stub's unsafe path (above)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    mode = None
+    for i, arg in enumerate(args):  # the last occurrence wins, as in Triton's option parsing
+        if arg.startswith("--model-control-mode="):
+            mode = arg.split("=", 1)[1]
+        elif arg == "--model-control-mode" and i + 1 < len(args):
+            mode = args[i + 1]
+    return mode == "explicit"
+
+
 class ServerShutdownWatch:
     """Says whether the server process `pid` has closed a port it listened on while serving.
 
