@@ -248,11 +248,10 @@ inline void packed_rows_block(int64_t rows, const float* packed, const typename 
   table[rows - 1](packed, 0, panel, ldp, K, y, ldy, pf);
 }
 
-template <class Dot>
 using PairBlockFn = void (*)(const uint32_t*, const uint16_t*, int64_t, float*, int64_t, Prefetch<Bf16PairPanel>);
 
 template <class Dot, int... R>
-constexpr std::array<PairBlockFn<Dot>, sizeof...(R)> pair_block_table(std::integer_sequence<int, R...>) {
+constexpr std::array<PairBlockFn, sizeof...(R)> pair_block_table(std::integer_sequence<int, R...>) {
   return {&pair_block<R + 1, Dot>...};
 }
 
