@@ -73,18 +73,23 @@ struct Fp32Panel {
 // bf16 values in pairs: 32-bit lane c of a step's first (second) 64 bytes holds column c (16 + c)
 // at k in its low half and at k + 1 in its high half, the layout AVX512-BF16's dot product reads.
 // bf16 is the top half of an fp32, so widening is a shift (k) and a mask (k + 1).
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+// 16 lanes of bf16 pairs as fp32: the low halves (k: x << 16) and the high halves (k + 1: x with
+// its low half cleared), both exact.
+PAGEDSERVE_AVX512 inline void widen_pairs(__m512i x, __m512& k, __m512& k1) {
+  k = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  k1 = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+#endif
+
 struct Bf16PairPanel {
   using T = uint16_t;
   static constexpr int kK = 2;
   static constexpr int64_t kStep = 64;
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
   static PAGEDSERVE_AVX512 inline void load(const T* step, __m512* w) {
-    const __m512i a = _mm512_loadu_si512(step), b = _mm512_loadu_si512(step + 32);
-    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-    w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
-    w[1] = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
-    w[2] = _mm512_castsi512_ps(_mm512_and_si512(a, high));
-    w[3] = _mm512_castsi512_ps(_mm512_and_si512(b, high));
+    widen_pairs(_mm512_loadu_si512(step), w[0], w[2]);
+    widen_pairs(_mm512_loadu_si512(step + 32), w[1], w[3]);
   }
 #endif
 };
@@ -104,11 +109,9 @@ struct NativeDot {
 struct EmulatedDot {
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
   static PAGEDSERVE_AVX512 inline __m512 dot(__m512 acc, __m512i x, __m512i w) {
-    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-    const __m512 x_k = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-    const __m512 w_k = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-    const __m512 x_k1 = _mm512_castsi512_ps(_mm512_and_si512(x, high));
-    const __m512 w_k1 = _mm512_castsi512_ps(_mm512_and_si512(w, high));
+    __m512 x_k, x_k1, w_k, w_k1;
+    widen_pairs(x, x_k, x_k1);
+    widen_pairs(w, w_k, w_k1);
     return _mm512_fmadd_ps(x_k, w_k, _mm512_fmadd_ps(x_k1, w_k1, acc));
   }
 #endif

@@ -166,10 +166,7 @@ PAGEDSERVE_INLINE void attend_any(const float* q, const Source& k, const Source&
 template <int64_t Kind>
 PAGEDSERVE_INLINE void load32(const void* base, int64_t i, v16sf& a, v16sf& b) {
   if constexpr (Kind == kBFloat16) {
-    const v16si x = loadv<v16si>(static_cast<const uint16_t*>(base) + i);
-    const v16si lo = x << 16, hi = x & static_cast<int32_t>(0xffff0000u);
-    a = reinterpret_cast<const v16sf&>(lo);
-    b = reinterpret_cast<const v16sf&>(hi);
+    bf16x32_to_float_even_odd(static_cast<const uint16_t*>(base) + i, a, b);
   } else {
     const float* p = static_cast<const float*>(base) + i;
     a = loadv<v16sf>(p);

@@ -58,6 +58,16 @@ PAGEDSERVE_INLINE v16sf bf16x16_to_float(const uint16_t* p) {
   return reinterpret_cast<const v16sf&>(wide);
 }
 
+// 32 bf16 values from one 64-byte load as fp32, split into the even ones (x << 16) and the odd
+// ones (x & 0xffff0000), both exact: two instructions where widening 16 values in order takes a
+// shuffle. For loops that do not mind the order (elementwise, sums, or a matching order kept).
+PAGEDSERVE_INLINE void bf16x32_to_float_even_odd(const uint16_t* p, v16sf& even, v16sf& odd) {
+  const v16su x = loadv<v16su>(p);
+  const v16su lo = x << 16, hi = x & 0xffff0000u;
+  even = reinterpret_cast<const v16sf&>(lo);
+  odd = reinterpret_cast<const v16sf&>(hi);
+}
+
 // Round to nearest even on 16 lanes; the vector twin of float_to_bf16 (NaN stays NaN).
 PAGEDSERVE_INLINE void float_to_bf16x16(v16sf x, uint16_t* out) {
   const v16si bits = reinterpret_cast<const v16si&>(x);
