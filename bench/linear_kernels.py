@@ -33,7 +33,8 @@ from pagedserve.kernels.cpu import linear as cpu_linear
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 NUM_LAYERS = 30
 KERNELS = {"amx-bf16": cpu_linear.AMX_BF16, "avx512-bf16-dot": cpu_linear.AVX512_BF16_DOT,
-           "avx512-bf16-fp32-math": cpu_linear.AVX512_BF16_FP32_MATH, "avx512-fp32": cpu_linear.AVX512_FP32}
+           "avx512-bf16-fp32-math": cpu_linear.AVX512_BF16_FP32_MATH, "avx512-fp32": cpu_linear.AVX512_FP32,
+           "avx2-fp32": cpu_linear.AVX2_FP32}
 
 
 def cpu_flags() -> str:

@@ -139,6 +139,33 @@ def test_temperature_sampling_is_seeded_and_valid(tiny_model_dir):
     assert_all_free(engine)
 
 
+@pytest.mark.parametrize("family", ["llama", "llama3", "qwen3"])
+def test_greedy_matches_transformers_on_an_avx2_cpu(tiny_model_dir, monkeypatch, family):
+    """The kernel choice of a CPU with AVX2 but no AVX-512: fp32 layers (the tied LM head too) take
+    the AVX2 kernel, prefill attention the SDPA. Its sums are the AVX-512 kernel's, so the greedy
+    ids are transformers' as well."""
+    from pagedserve.kernels.cpu import linear as cpu_linear
+
+    if cpu_linear.AVX2_FP32 not in cpu_linear.runnable_kernels(torch.float32):
+        pytest.skip("this CPU has no AVX2 with FMA")
+    runs_here = cpu_linear._runs_here
+    monkeypatch.setattr(cpu_linear, "_runs_here", lambda k: runs_here(k) and not k.available.startswith("avx512"))
+    cpu_linear._available.cache_clear()
+    try:
+        path = tiny_model_dir(family)
+        engine = make_engine(path, block_size=16, max_num_batched_tokens=37)
+        assert engine.runner.model.lm_head[0].kernel.kernel is cpu_linear.AVX2_FP32
+        assert not cpu_linear.avx512_available()  # so attention.py keeps the SDPA for prefill rows
+        prompts = random_prompts(6, 3, 70, seed=31)
+        results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+        for prompt, res in zip(prompts, results):
+            assert list(res.token_ids) == hf_greedy(path, prompt, 20), f"prompt of {len(prompt)} tokens"
+        assert_all_free(engine)
+    finally:
+        monkeypatch.undo()
+        cpu_linear._available.cache_clear()
+
+
 def test_lm_head_in_vocabulary_slices_matches_transformers(tiny_model_dir, monkeypatch):
     """On a CPU whose backend packs no fp32 LM head (no AVX-512) it runs over vocabulary slices
     (1024 rows for real models); slices of 100 split the tiny 384-token vocabulary unevenly, and

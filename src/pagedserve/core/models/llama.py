@@ -28,9 +28,9 @@ from pagedserve.core.layers.linear import Linear
 from pagedserve.core.layers.rotary import RotaryEmbedding
 from pagedserve.core.models.arch import ModelArch
 
-# On a CPU whose backend packs no fp32 LM head (no AVX-512: kernels/cpu/linear.py), it runs as
-# matmuls over slices of this many vocabulary rows: one GEMM over a 49k-row weight with few input
-# rows measured 1.4x (64 rows) to 1.6x (8 rows) slower in MKL than 1024-row slices whose outputs
+# On a CPU whose backend packs no fp32 LM head (neither AVX-512 nor AVX2: kernels/cpu/linear.py), it
+# runs as matmuls over slices of this many vocabulary rows: one GEMM over a 49k-row weight with few
+# input rows measured 1.4x (64 rows) to 1.6x (8 rows) slower in MKL than 1024-row slices whose outputs
 # stay in L2 (2-core AVX2 EPYC; 1.7x at 8 rows on an AMX Xeon).
 # Same dot products, bit-identical logits. A bf16 head packed for oneDNN (core/layers/linear.py)
 # is fastest whole: 3.2 vs 5.2 ms at 1 row, 6.5 vs 8.9 ms at 64 rows on the AMX Xeon, and the

@@ -33,10 +33,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether this CPU can run the fp32 / bf16 linear kernels and paged_prefill_attention (AVX-512 F and BW).");
   m.def("avx512_bf16_dot_native", &avx512_bf16_dot_native,
         "Whether bf16_dot_linear runs AVX512-BF16's dot product here (else an emulation of it, for tests).");
+  m.def("avx2_kernels_available", &avx2_kernels_available, "Whether this CPU can run avx2_fp32_linear (AVX2, FMA).");
   m.def("fp32_pack_weight", &fp32_pack_weight, "An fp32 [out, in] weight in fp32_linear's panel layout.",
         py::arg("weight"));
   m.def("fp32_linear", &fp32_linear, "x @ weight.T (+ bias) in fp32 on AVX-512, weight from fp32_pack_weight.",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
+  m.def("avx2_fp32_linear", &avx2_fp32_linear,
+        "fp32_linear on AVX2 with FMA (ymm blocks, the same sums), weight from fp32_pack_weight.", py::arg("x"),
+        py::arg("packed"), py::arg("bias"), py::arg("out_features"));
   m.def("fp32_packed_rows", &fp32_packed_rows, "Rows ids of the weight fp32_pack_weight packed ([len(ids), in]).",
         py::arg("packed"), py::arg("ids"), py::arg("in_features"));
   m.def("bf16_pack_weight", &bf16_pack_weight, "A bf16 [out, in] weight in bf16_linear's paired panel layout.",

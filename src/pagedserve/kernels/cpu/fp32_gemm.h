@@ -23,6 +23,7 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define PAGEDSERVE_AVX512 __attribute__((target("avx512f")))
 #define PAGEDSERVE_AVX512_BF16 __attribute__((target("avx512f,avx512bf16")))
+#define PAGEDSERVE_AVX2 __attribute__((target("avx2,fma")))
 #define PAGEDSERVE_HAVE_AVX512_GEMM 1
 #endif
 
@@ -55,6 +56,16 @@ inline bool native_bf16_dot() {
 #endif
 }
 
+// Whether ymm_rows_block runs here (AVX2 with FMA: every x86-64 CPU since Haswell / Zen 1).
+inline bool avx2_available() {
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+#else
+  return false;
+#endif
+}
+
 // A panel is read in steps of 128 bytes (two cache lines), each holding kK consecutive k values
 // of the 32 columns; load() widens a step to 2 kK fp32 vectors: w[2s], w[2s + 1] = columns 0-15,
 // 16-31 of k value s.
@@ -67,6 +78,8 @@ struct Fp32Panel {
     w[0] = _mm512_loadu_ps(step);
     w[1] = _mm512_loadu_ps(step + 16);
   }
+  // Columns 8 j .. 8 j + 7 of a step, for ymm_block.
+  static PAGEDSERVE_AVX2 inline __m256 load8(const T* step, int j) { return _mm256_loadu_ps(step + 8 * j); }
 #endif
 };
 
@@ -128,9 +141,10 @@ struct Prefetch {
   int64_t phase = 0, every = 1;
 };
 
-// The prefetch of `pf.next`'s step `step` when it is this block's turn (see Prefetch).
+// The prefetch of `pf.next`'s step `step` when it is this block's turn (see Prefetch). (SSE only:
+// it inlines into the AVX-512 and the AVX2 blocks alike.)
 template <class Panel>
-PAGEDSERVE_AVX512 inline void prefetch_step(const Prefetch<Panel>& pf, int64_t step, int64_t ldp, int64_t& due) {
+inline void prefetch_step(const Prefetch<Panel>& pf, int64_t step, int64_t ldp, int64_t& due) {
   if (step == due) {
     _mm_prefetch(reinterpret_cast<const char*>(pf.next + step * ldp), _MM_HINT_T1);
     _mm_prefetch(reinterpret_cast<const char*>(pf.next + step * ldp) + 64, _MM_HINT_T1);
@@ -227,6 +241,72 @@ PAGEDSERVE_AVX512_BF16 void pair_block(const uint32_t* x, const uint16_t* panel,
   if (K == 0) zero_rows<R>(y, ldy);
 }
 
+// The AVX2 block over fp32 panels: y[r * ldy + c] = sum_k x[k * ldk + r] * panel(k, 8 j0 + c) for
+// r < R, c < 8 C, in R x C ymm accumulators (R x C = 12 at most, of 16 registers), each sum taken
+// as `block` takes it. x is a slice of rows packed by pack_rows (ldk: that packed block's rows).
+template <int R, int C>
+PAGEDSERVE_AVX2 inline void ymm_step(const float* x, int64_t ldk, int j0, const float* panel, int64_t k,
+                                     __m256 (&acc)[R][C]) {
+  __m256 w[C];
+#pragma GCC unroll 4
+  for (int j = 0; j < C; ++j) w[j] = Fp32Panel::load8(panel + k * Fp32Panel::kStep, j0 + j);
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    const __m256 xr = _mm256_broadcast_ss(x + k * ldk + r);
+#pragma GCC unroll 4
+    for (int j = 0; j < C; ++j) acc[r][j] = _mm256_fmadd_ps(xr, w[j], acc[r][j]);
+  }
+}
+
+// The AVX2 block over fp32 panels: y[r * ldy + c] = sum_k x[k * ldk + r] * panel(k, 8 j0 + c) for
+// r < R, c < 8 C, in R x C ymm accumulators (R x C = 12 at most, of 16 registers), each sum taken
+// as `block` takes it. x is a slice of rows packed by pack_rows (ldk: that packed block's rows).
+// k runs in groups of 4 with the prefetch checked once per group: with half as many FMAs per k as
+// `block`, the loop's bookkeeping would otherwise cost a 4-wide front end about a fifth.
+template <int R, int C>
+PAGEDSERVE_AVX2 void ymm_block(const float* x, int64_t ldk, int j0, const float* panel, int64_t K, float* y,
+                               int64_t ldy, Prefetch<Fp32Panel> pf) {
+  __m256 acc[R][C];
+  int64_t due = pf.next != nullptr ? pf.phase : K;
+  auto prefetch_until = [&](int64_t end) {  // every due step before `end`
+    for (; due < end; due += pf.every) {
+      _mm_prefetch(reinterpret_cast<const char*>(pf.next + due * Fp32Panel::kStep), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(pf.next + due * Fp32Panel::kStep) + 64, _MM_HINT_T1);
+    }
+  };
+  for (int64_t k0 = 0; k0 < K; k0 += kSumBlock) {
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+      for (int j = 0; j < C; ++j) acc[r][j] = _mm256_setzero_ps();
+    }
+    const int64_t k1 = std::min(K, k0 + kSumBlock);
+    int64_t k = k0;
+    for (; k + 4 <= k1; k += 4) {
+      prefetch_until(k + 4);
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) ymm_step<R, C>(x, ldk, j0, panel, k + s, acc);
+    }
+    for (; k < k1; ++k) {
+      prefetch_until(k + 1);
+      ymm_step<R, C>(x, ldk, j0, panel, k, acc);
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+      for (int j = 0; j < C; ++j) {
+        float* out = y + r * ldy + 8 * j;
+        _mm256_storeu_ps(out, k0 == 0 ? acc[r][j] : _mm256_add_ps(_mm256_loadu_ps(out), acc[r][j]));
+      }
+    }
+  }
+  if (K == 0) {
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < C; ++j) _mm256_storeu_ps(y + r * ldy + 8 * j, _mm256_setzero_ps());
+    }
+  }
+}
+
 template <class Panel>
 using BlockFn = void (*)(const float*, int64_t, const typename Panel::T*, int64_t, int64_t, float*, int64_t,
                          Prefetch<Panel>);
@@ -249,6 +329,34 @@ inline void packed_rows_block(int64_t rows, const float* packed, const typename 
                               int64_t K, float* y, int64_t ldy, Prefetch<Panel> pf = {}) {
   static constexpr auto table = block_table<true, Panel>(std::make_integer_sequence<int, kBlockRows>{});
   table[rows - 1](packed, 0, panel, ldp, K, y, ldy, pf);
+}
+
+using YmmBlockFn = void (*)(const float*, int64_t, int, const float*, int64_t, float*, int64_t, Prefetch<Fp32Panel>);
+
+template <int C, int... R>
+constexpr std::array<YmmBlockFn, sizeof...(R)> ymm_block_table(std::integer_sequence<int, R...>) {
+  return {&ymm_block<R + 1, C>...};
+}
+
+constexpr int64_t kYmmRows = 6;  // rows per ymm_block over half a panel (12 accumulators)
+
+// packed_rows_block's work on AVX2 over an fp32 panel: its rows (up to kBlockRows, packed by
+// pack_rows) in slices of up to kYmmRows, each the whole panel (up to 3 rows) or the panel's two
+// halves (4-6 rows); the first slice prefetches.
+inline void ymm_rows_block(int64_t rows, const float* packed, const float* panel, int64_t K, float* y, int64_t ldy,
+                           Prefetch<Fp32Panel> pf = {}) {
+  static constexpr auto whole = ymm_block_table<4>(std::make_integer_sequence<int, kYmmRows / 2>{});
+  static constexpr auto halves = ymm_block_table<2>(std::make_integer_sequence<int, kYmmRows>{});
+  for (int64_t r0 = 0; r0 < rows; r0 += kYmmRows) {
+    const int64_t n = std::min(kYmmRows, rows - r0);
+    const Prefetch<Fp32Panel> first = r0 == 0 ? pf : Prefetch<Fp32Panel>{};
+    if (n <= kYmmRows / 2) {
+      whole[n - 1](packed + r0, rows, 0, panel, K, y + r0 * ldy, ldy, first);
+    } else {
+      halves[n - 1](packed + r0, rows, 0, panel, K, y + r0 * ldy, ldy, first);
+      halves[n - 1](packed + r0, rows, 2, panel, K, y + r0 * ldy + 16, ldy, {});
+    }
+  }
 }
 
 using PairBlockFn = void (*)(const uint32_t*, const uint16_t*, int64_t, float*, int64_t, Prefetch<Bf16PairPanel>);

@@ -1,7 +1,7 @@
 """Linear layers with weights packed once at load into the layout a kernel streams, each weight
-byte read once per call: bf16 on Intel AMX (amx_linear.cpp); on AVX-512 (avx512_linear.cpp) fp32,
+byte read once per call: bf16 on Intel AMX (amx_linear.cpp); on AVX-512 (simd_linear.cpp) fp32,
 bf16 by AVX512-BF16's dot product where the CPU has it without AMX, and bf16 in fp32 math where it
-has no bf16 instructions.
+has no bf16 instructions; fp32 on AVX2 with FMA (simd_linear.cpp's ymm blocks).
 
 Measured on a 2-core AMX Xeon, SmolLM2-135M's 120 decoder projections with cold weights, bf16:
 56 rows 20.6 -> 15.5 ms, one row 15.2 -> 10.9 ms, 512 rows 68.7 -> 58.9 ms against oneDNN's
@@ -53,10 +53,15 @@ AVX512_BF16_DOT = PackedKernel("avx512_kernels_available", "bf16_pack_weight", "
 AVX512_BF16_FP32_MATH = PackedKernel("avx512_kernels_available", "bf16_pack_weight", "bf16_linear",
                                      "bf16_packed_rows", 32, 2, needs_native_bf16=False)
 
+# The same fp32 panels on AVX2 with FMA (CPUs without AVX-512), in ymm blocks of 6 rows x 16
+# columns or 3 x 32: ahead of MKL's AVX2 sgemm where the weights stream cold at decode sizes, a few
+# percent behind it on prefill chunks of ~1000 rows (docs/benchmarks.md).
+AVX2_FP32 = PackedKernel("avx2_kernels_available", "fp32_pack_weight", "avx2_fp32_linear", "fp32_packed_rows", 32, 1)
+
 # Per dtype, the kernels in order of preference; the first that runs here takes the weight.
 _KERNELS = {
     torch.bfloat16: (AMX_BF16, AVX512_BF16_DOT, AVX512_BF16_FP32_MATH),
-    torch.float32: (AVX512_FP32,),
+    torch.float32: (AVX512_FP32, AVX2_FP32),
 }
 
 
@@ -114,7 +119,7 @@ def _kernel_for(weight: Tensor) -> PackedKernel | None:
 def prepack_linear(weight: Tensor) -> Callable[[Tensor, Tensor | None], Tensor] | None:
     """A function (x, bias) -> x @ weight.T + bias over a packed copy of ``weight`` [out, in], or
     None where no kernel applies (not a CPU bf16 / fp32 matrix, a shape off the kernels' blocking,
-    neither AMX nor AVX-512 here); the caller then keeps its own path."""
+    no kernel for this dtype on this CPU); the caller then keeps its own path."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     kernel = _kernel_for(weight)
@@ -140,3 +145,4 @@ def packed_linear(kernel: PackedKernel, weight: Tensor) -> Callable[[Tensor, Ten
     linear.kernel = kernel  # type: ignore[attr-defined]
     linear.rows = rows  # type: ignore[attr-defined]
     return linear
+

@@ -41,12 +41,15 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
                          int64_t out_features);
 torch::Tensor amx_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features);
 
-// avx512_linear.cpp
+// simd_linear.cpp
 bool avx512_kernels_available();  // fp32_*/bf16_* linear and paged_prefill_attention (AVX-512 F, BW)
 bool avx512_bf16_dot_native();    // bf16_dot_linear uses vdpbf16ps (AVX512-BF16), not its emulation
+bool avx2_kernels_available();    // avx2_fp32_linear (AVX2 with FMA)
 torch::Tensor fp32_pack_weight(torch::Tensor weight);
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                           int64_t out_features);
+torch::Tensor avx2_fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                               int64_t out_features);  // over fp32_pack_weight's layout
 torch::Tensor fp32_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features);
 torch::Tensor bf16_pack_weight(torch::Tensor weight);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,

@@ -1,8 +1,9 @@
-// Linear layers on AVX-512: y = x @ W^T (+ bias) with W packed once, at load, into 32-column panels
-// that a call streams in order, each weight byte read from memory once per call. fp32 weights
-// (fp32_*) in fp32 math; bf16 weights in fp32 math for CPUs without bf16 dot products (bf16_*), or
-// with AVX512-BF16's dot product over bf16 pairs (bf16_dot_*: CPUs with it but without AMX, whose
-// amx_linear.cpp is faster still).
+// Linear layers on AVX-512 and AVX2: y = x @ W^T (+ bias) with W packed once, at load, into
+// 32-column panels that a call streams in order, each weight byte read from memory once per call.
+// fp32 weights (fp32_*) in fp32 math, on AVX-512 or (avx2_fp32_*) AVX2 with FMA; bf16 weights on
+// AVX-512 in fp32 math for CPUs without bf16 dot products (bf16_*), or with AVX512-BF16's dot
+// product over bf16 pairs (bf16_dot_*: CPUs with it but without AMX, whose amx_linear.cpp is
+// faster still).
 //
 // Why not MKL / oneDNN for fp32: at decode sizes (a few to 64 rows) MKL's sgemm reached about half
 // of this host's fp32 FMA peak on SmolLM2's projections (147 of ~300 GFLOP/s over W64's decode
@@ -26,7 +27,8 @@
 // keeps torch's matmul otherwise).
 //
 // Compute. Blocks of up to 12 rows times one panel (fp32_gemm.h: 24 zmm accumulators, blocked
-// fp32 sums; `block`, or `pair_block` for the dot product), then the bias. Rows are taken in
+// fp32 sums; `block`, or `pair_block` for the dot product; on AVX2, ymm_rows_block's slices of 6
+// rows x 16 columns or 3 x 32 in 12 ymm accumulators, each sum taken as on AVX-512), then the bias. Rows are taken in
 // chunks of 96, so a chunk's rows of x stay in L2 while every panel passes. Panels are split
 // across threads.
 
@@ -46,7 +48,16 @@ using fp32_gemm::Bf16PairPanel;
 using fp32_gemm::Fp32Panel;
 using fp32_gemm::kBlockRows;
 using fp32_gemm::kPanel;
-constexpr int64_t kChunkRows = 96;  // rows whose x stays in L2 while all panels pass
+constexpr int64_t kChunkRows = 96;  // rows whose x stays in L2 while all panels pass (at most)
+
+// Rows per chunk for M rows: as few chunks as kChunkRows allows, of about equal size in whole
+// blocks, so no chunk streams every panel for a handful of rows (128 rows as 96 + 32 took 1.5x
+// the time of 96 on AVX2).
+inline int64_t chunk_rows(int64_t M) {
+  const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
+  const int64_t rows = (M + chunks - 1) / chunks;
+  return (rows + kBlockRows - 1) / kBlockRows * kBlockRows;
+}
 
 // Per panel kind: the tensors' dtype and the entry points' name prefix, for checks and messages.
 // (The panel kinds are plain structs, so they exist on every build.)
@@ -69,19 +80,33 @@ const typename Panel::T* values(const torch::Tensor& t) {
 }
 
 // How a kernel multiplies x by a panel, and how it wants x packed: fp32 math over x widened to fp32
-// and interleaved (FmaMath), or bf16 dot products over x in interleaved pairs (DotMath). `name`
-// prefixes the entry points' errors.
+// and interleaved (FmaMath on AVX-512, Avx2FmaMath), or bf16 dot products over x in interleaved
+// pairs (DotMath). `name` prefixes the entry points' errors, `isa` names what `available` checks.
 template <class P>
 struct FmaMath {
   using Panel = P;
   using X = float;
   static constexpr int64_t kKPerX = 1;  // k values per packed X value
   static constexpr const char* name = Kind<P>::name;
+  static constexpr const char* isa = "AVX-512";
+  static bool available() { return fp32_gemm::available(); }
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
   static void pack(const typename P::T* x, int64_t rows, int64_t K, X* out) { fp32_gemm::pack_rows(x, rows, K, out); }
   static void block(int64_t rows, const X* xp, const typename P::T* panel, int64_t K, float* y, int64_t ldy,
                     fp32_gemm::Prefetch<P> pf) {
     fp32_gemm::packed_rows_block<P>(rows, xp, panel, P::kStep, K, y, ldy, pf);
+  }
+#endif
+};
+
+struct Avx2FmaMath : FmaMath<Fp32Panel> {
+  static constexpr const char* name = "avx2_fp32";
+  static constexpr const char* isa = "AVX2 with FMA";
+  static bool available() { return fp32_gemm::avx2_available(); }
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+  static void block(int64_t rows, const X* xp, const float* panel, int64_t K, float* y, int64_t ldy,
+                    fp32_gemm::Prefetch<Panel> pf) {
+    fp32_gemm::ymm_rows_block(rows, xp, panel, K, y, ldy, pf);
   }
 #endif
 };
@@ -92,6 +117,8 @@ struct DotMath {
   using X = uint32_t;
   static constexpr int64_t kKPerX = 2;
   static constexpr const char* name = "bf16_dot";
+  static constexpr const char* isa = "AVX-512";
+  static bool available() { return fp32_gemm::available(); }
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
   static void pack(const uint16_t* x, int64_t rows, int64_t K, X* out) { fp32_gemm::pack_row_pairs(x, rows, K, out); }
   static void block(int64_t rows, const X* xp, const uint16_t* panel, int64_t K, float* y, int64_t ldy,
@@ -122,9 +149,10 @@ void panels(const typename Math::X* xp, const typename Math::Panel::T* w, const 
   using Panel = typename Math::Panel;
   constexpr bool kInPlace = std::is_same<Out, float>::value;
   const int64_t panel_values = K / Panel::kK * Panel::kStep;
-  std::vector<float> sums(kInPlace ? 0 : static_cast<size_t>(kChunkRows * kPanel));
-  for (int64_t c0 = 0; c0 < M; c0 += kChunkRows) {
-    const int64_t c1 = std::min(M, c0 + kChunkRows);
+  const int64_t chunk = chunk_rows(M);
+  std::vector<float> sums(kInPlace ? 0 : static_cast<size_t>(chunk * kPanel));
+  for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+    const int64_t c1 = std::min(M, c0 + chunk);
     const int64_t num_blocks = (c1 - c0 + kBlockRows - 1) / kBlockRows;
     for (int64_t p = p0; p < p1; ++p) {
       const typename Panel::T* panel = w + p * panel_values;
@@ -213,7 +241,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   TORCH_CHECK(x.scalar_type() == Kind<Panel>::dtype && x.dim() == 2 && x.is_contiguous(), name, "_linear: x must be a ",
               "contiguous 2-D ", dtype_name(Kind<Panel>::dtype), " tensor, got ", dtype_name(x.scalar_type()), " ",
               x.sizes());
-  TORCH_CHECK(fp32_gemm::available(), name, "_linear: this CPU (or build) offers no AVX-512");
+  TORCH_CHECK(Math::available(), name, "_linear: this CPU (or build) offers no ", Math::isa);
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(packed.scalar_type() == Kind<Panel>::dtype && packed.is_contiguous() && packed.numel() == N * K &&
                   N % kPanel == 0 && K % Panel::kK == 0,
@@ -272,11 +300,16 @@ torch::Tensor packed_rows(const torch::Tensor& packed, const torch::Tensor& ids,
 
 bool avx512_kernels_available() { return fp32_gemm::available(); }
 bool avx512_bf16_dot_native() { return fp32_gemm::native_bf16_dot(); }
+bool avx2_kernels_available() { return fp32_gemm::avx2_available(); }
 
 torch::Tensor fp32_pack_weight(torch::Tensor weight) { return pack_weight<Fp32Panel>(weight); }
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                           int64_t out_features) {
   return linear<FmaMath<Fp32Panel>>(x, packed, bias, out_features);
+}
+torch::Tensor avx2_fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                               int64_t out_features) {
+  return linear<Avx2FmaMath>(x, packed, bias, out_features);
 }
 torch::Tensor fp32_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features) {
   return packed_rows<Fp32Panel>(packed, ids, in_features);
