@@ -3,6 +3,9 @@
 Batches come from test_reference_attention.make_batch: caches start full of NaN and stale
 block-table entries point at random blocks, so a read outside a sequence's own tokens fails.
 The first test in a fresh environment compiles the extension (about a minute on 2 cores).
+
+Every test runs twice: with the decode kernel's vector code this CPU gets, and with its AVX2 build
+(F8x2, what CPUs without AVX-512 run) forced, where the CPU has AVX2.
 """
 
 from __future__ import annotations
@@ -13,12 +16,23 @@ import torch
 from pagedserve.core.layers.attention import select_attention_backend
 from pagedserve.kernels import cpu, reference
 from pagedserve.kernels.cpu.build import load_extension
-from pagedserve.kernels.cpu.linear import avx512_available, bf16_fp32_math_available
+from pagedserve.kernels.cpu.linear import avx2_fp32_available, avx512_available, bf16_fp32_math_available
 
 from tests.kernels.quant_batches import QUANT_KV_DTYPES, make_kv_batch
 from tests.kernels.test_reference_attention import MIXED, TOLERANCES, dense_attention, make_batch
 
 DECODES = [(c, 1) for c in (0, 1, 15, 16, 17, 100, 257, 700)]
+
+
+@pytest.fixture(autouse=True, params=["native", "avx2"])
+def decode_vector_code(request):
+    """The decode kernel's vector code: the one this CPU is best served by, or the AVX2 build."""
+    if request.param == "avx2" and not avx2_fp32_available():
+        pytest.skip("this CPU has no AVX2 with FMA")
+    ext = load_extension()
+    before = ext.force_avx2_decode_attention(request.param == "avx2")
+    yield request.param
+    ext.force_avx2_decode_attention(before)
 
 
 def run_both(specs, *, num_kv_heads, group, head_dim, block_size, window=None, dtype=torch.float32, seed=0):

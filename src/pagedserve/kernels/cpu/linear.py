@@ -97,6 +97,12 @@ def avx512_available() -> bool:
     return _available(AVX512_FP32)
 
 
+def avx2_fp32_available() -> bool:
+    """Whether fp32 layers can take the AVX2 kernel here: AVX2 with FMA. Where AVX-512 runs too,
+    that is preferred."""
+    return _available(AVX2_FP32)
+
+
 def bf16_fp32_math_available() -> bool:
     """Whether bf16 layers take the AVX-512 kernels' fp32 math here (AVX-512, no native bf16)."""
     return _available(AVX512_BF16_FP32_MATH)

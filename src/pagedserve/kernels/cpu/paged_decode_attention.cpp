@@ -19,11 +19,13 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <limits>
 #include <vector>
 
 #include "ops.h"
 #include "vec.h"
+#include "vec_avx2.h"
 
 namespace pagedserve {
 namespace {
@@ -163,14 +165,14 @@ PAGEDSERVE_INLINE void attend_any(const float* q, const Source& k, const Source&
 // load split into the even values (x << 16) and the odd ones (x & 0xffff0000), both exact; the
 // query and the accumulators are kept in the same even/odd order (lane order, see
 // to_lane_order), so bf16 caches need no widening pass.
-template <int64_t Kind>
-PAGEDSERVE_INLINE void load32(const void* base, int64_t i, v16sf& a, v16sf& b) {
+template <int64_t Kind, class V>
+PAGEDSERVE_INLINE void load32(const void* base, int64_t i, V& a, V& b) {
   if constexpr (Kind == kBFloat16) {
-    bf16x32_to_float_even_odd(static_cast<const uint16_t*>(base) + i, a, b);
+    Vec16<V>::bf16_even_odd(static_cast<const uint16_t*>(base) + i, a, b);
   } else {
     const float* p = static_cast<const float*>(base) + i;
-    a = loadv<v16sf>(p);
-    b = loadv<v16sf>(p + 16);
+    a = Vec16<V>::load(p);
+    b = Vec16<V>::load(p + 16);
   }
 }
 
@@ -201,21 +203,23 @@ constexpr int64_t kChunk = 32;
 // kr/vr + rows[t] (+ the KV head's offset): each K and V row is loaded (and, for bf16, split into
 // lane order) once for all GB heads. 16 scores of a head are reduced together (reduce16), the
 // exp is vectorised, and each head's accumulator stays in registers across the chunk. q and
-// st.acc are in lane order for bf16 caches.
-template <int64_t Kind, int64_t NP, int64_t GB>
+// st.acc are in lane order for bf16 caches. V: 16 floats as one v16sf (AVX-512 and baseline
+// builds) or F8x2 (AVX2; vec_avx2.h says why), through Vec16<V>.
+template <int64_t Kind, int64_t NP, int64_t GB, class V>
 PAGEDSERVE_INLINE void attend_heads(const float* q, const void* kr, const void* vr, const int64_t* rows, int64_t n,
                                     const int64_t* next_rows, int64_t next_n, int64_t head0, int64_t kv_offset,
                                     float scale, float* scores, Partial st) {
+  using VO = Vec16<V>;
   constexpr int64_t D = 32 * NP, kBytes = Kind == kBFloat16 ? 2 : 4;
-  v16sf qa[GB][NP], qb[GB][NP];
+  V qa[GB][NP], qb[GB][NP];
   for (int64_t g = 0; g < GB; ++g) {
     for (int64_t c = 0; c < NP; ++c) {
-      qa[g][c] = loadv<v16sf>(q + (head0 + g) * D + 32 * c);
-      qb[g][c] = loadv<v16sf>(q + (head0 + g) * D + 32 * c + 16);
+      qa[g][c] = VO::load(q + (head0 + g) * D + 32 * c);
+      qb[g][c] = VO::load(q + (head0 + g) * D + 32 * c + 16);
     }
   }
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    v16sf dots[GB][16];
+    V dots[GB][16];
     for (int64_t t = 0; t < 16; ++t) {
       // Lanes past the chunk's end repeat its last row: finite values, masked below.
       const int64_t row = rows[std::min(t0 + t, n - 1)] + kv_offset;
@@ -227,64 +231,60 @@ PAGEDSERVE_INLINE void attend_heads(const float* q, const void* kr, const void* 
           __builtin_prefetch(vn + b, 0, 3);
         }
       }
-      v16sf sum[GB] = {};
+      V sum[GB];
+      for (int64_t g = 0; g < GB; ++g) sum[g] = VO::zero();
       for (int64_t c = 0; c < NP; ++c) {
-        v16sf ka, kb;
+        V ka, kb;
         load32<Kind>(kr, row + 32 * c, ka, kb);
-        for (int64_t g = 0; g < GB; ++g) sum[g] += qa[g][c] * ka + qb[g][c] * kb;
+        for (int64_t g = 0; g < GB; ++g) sum[g] = VO::fmadd(qa[g][c], ka, VO::fmadd(qb[g][c], kb, sum[g]));
       }
       for (int64_t g = 0; g < GB; ++g) dots[g][t] = sum[g];
     }
-    for (int64_t g = 0; g < GB; ++g) storev(scores + g * kChunk + t0, reduce16(dots[g]) * scale);
+    for (int64_t g = 0; g < GB; ++g) VO::store(scores + g * kChunk + t0, VO::reduce(dots[g]) * scale);
   }
   float alpha[GB];
   for (int64_t g = 0; g < GB; ++g) {
     float* s = scores + g * kChunk;
     const int64_t h = head0 + g;
-    v16sf m_vec = v16sf{} + kNegInf;
-    for (int64_t t0 = 0; t0 < n; t0 += 16) {
-      v16sf sv = loadv<v16sf>(s + t0);
-      for (int64_t t = n - t0; t < 16; ++t) sv[t] = kNegInf;
-      m_vec = m_vec > sv ? m_vec : sv;
-    }
-    const float m_new = std::max(st.m[h], hmax16(m_vec));
+    V m_vec = VO::splat(kNegInf);
+    for (int64_t t0 = 0; t0 < n; t0 += 16) m_vec = VO::max(m_vec, VO::fill_from(VO::load(s + t0), n - t0, kNegInf));
+    const float m_new = std::max(st.m[h], VO::hmax(m_vec));
     // The accumulator is rescaled only when the maximum moved (most chunks after the first).
     alpha[g] = st.m[h] == kNegInf ? 0.f : m_new == st.m[h] ? 1.f : exp_nonpositive(st.m[h] - m_new);
-    v16sf sum_vec = v16sf{};
+    V sum_vec = VO::zero();
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
-      v16sf e = exp_nonpositive16(loadv<v16sf>(s + t0) - m_new);
-      for (int64_t t = n - t0; t < 16; ++t) e[t] = 0.f;
-      storev(s + t0, e);
+      const V e = VO::fill_from(VO::exp(VO::load(s + t0) - m_new), n - t0, 0.f);
+      VO::store(s + t0, e);
       sum_vec += e;
     }
-    st.l[h] = st.l[h] * alpha[g] + hsum16(sum_vec);
+    st.l[h] = st.l[h] * alpha[g] + VO::hsum(sum_vec);
     st.m[h] = m_new;
   }
-  v16sf aa[GB][NP], ab[GB][NP];
+  V aa[GB][NP], ab[GB][NP];
   for (int64_t g = 0; g < GB; ++g) {
     const float* a = st.acc + (head0 + g) * D;
     for (int64_t c = 0; c < NP; ++c) {
-      aa[g][c] = loadv<v16sf>(a + 32 * c) * alpha[g];
-      ab[g][c] = loadv<v16sf>(a + 32 * c + 16) * alpha[g];
+      aa[g][c] = VO::load(a + 32 * c) * alpha[g];
+      ab[g][c] = VO::load(a + 32 * c + 16) * alpha[g];
     }
   }
   for (int64_t t = 0; t < n; ++t) {
     const int64_t row = rows[t] + kv_offset;
     for (int64_t c = 0; c < NP; ++c) {
-      v16sf va, vb;
+      V va, vb;
       load32<Kind>(vr, row + 32 * c, va, vb);
       for (int64_t g = 0; g < GB; ++g) {
-        const float p = scores[g * kChunk + t];
-        aa[g][c] += p * va;
-        ab[g][c] += p * vb;
+        const V p = VO::splat(scores[g * kChunk + t]);
+        aa[g][c] = VO::fmadd(p, va, aa[g][c]);
+        ab[g][c] = VO::fmadd(p, vb, ab[g][c]);
       }
     }
   }
   for (int64_t g = 0; g < GB; ++g) {
     float* a = st.acc + (head0 + g) * D;
     for (int64_t c = 0; c < NP; ++c) {
-      storev(a + 32 * c, aa[g][c]);
-      storev(a + 32 * c + 16, ab[g][c]);
+      VO::store(a + 32 * c, aa[g][c]);
+      VO::store(a + 32 * c + 16, ab[g][c]);
     }
   }
 }
@@ -293,7 +293,7 @@ PAGEDSERVE_INLINE void attend_heads(const float* q, const void* kr, const void* 
 // at a time, the next chunk prefetched; int8/fp8 are widened one block at a time into `tmp`.
 // Query heads are taken in passes of up to 4 (2 at head_dim 128) per KV head, so the passes'
 // accumulators fit in registers.
-template <int64_t Kind, int64_t NP>
+template <int64_t Kind, int64_t NP, class V>
 PAGEDSERVE_INLINE void attend_vec(const float* q, const Source& k, const Source& v, const int32_t* blocks,
                                   int64_t first, int64_t last, const Geometry& g, float scale, float* scores,
                                   float* tmp, Partial st) {
@@ -335,10 +335,10 @@ PAGEDSERVE_INLINE void attend_vec(const float* q, const Source& k, const Source&
       for (int64_t h = kv * g.group, end = h + g.group; h < end;) {
         const int64_t pass = std::min(kMaxPass, end - h);
         switch (pass) {
-          case 4: attend_heads<kLoad, NP, 4>(q, kr, vr, rows, n, next_rows, next_n, h, kv * D, scale, scores, st); break;
-          case 3: attend_heads<kLoad, NP, 3>(q, kr, vr, rows, n, next_rows, next_n, h, kv * D, scale, scores, st); break;
-          case 2: attend_heads<kLoad, NP, 2>(q, kr, vr, rows, n, next_rows, next_n, h, kv * D, scale, scores, st); break;
-          default: attend_heads<kLoad, NP, 1>(q, kr, vr, rows, n, next_rows, next_n, h, kv * D, scale, scores, st); break;
+          case 4: attend_heads<kLoad, NP, 4, V>(q, kr, vr, rows, n, next_rows, next_n, h, kv * D, scale, scores, st); break;
+          case 3: attend_heads<kLoad, NP, 3, V>(q, kr, vr, rows, n, next_rows, next_n, h, kv * D, scale, scores, st); break;
+          case 2: attend_heads<kLoad, NP, 2, V>(q, kr, vr, rows, n, next_rows, next_n, h, kv * D, scale, scores, st); break;
+          default: attend_heads<kLoad, NP, 1, V>(q, kr, vr, rows, n, next_rows, next_n, h, kv * D, scale, scores, st); break;
         }
         h += pass;
       }
@@ -349,27 +349,52 @@ PAGEDSERVE_INLINE void attend_vec(const float* q, const Source& k, const Source&
 using AttendFn = void (*)(const float*, const Source&, const Source&, const int32_t*, int64_t, int64_t,
                           const Geometry&, float, float*, float*, Partial);
 
-// One compiled entry per (head_dim class, cache kind); each is cloned per ISA.
-#define PAGEDSERVE_ATTEND_ENTRY(NAME, CALL)                                                                    \
-  PAGEDSERVE_MULTIVERSION void NAME(const float* q, const Source& k, const Source& v, const int32_t* blocks,  \
-                                    int64_t first, int64_t last, const Geometry& g, float scale,            \
-                                    float* scores, float* tmp, Partial st) {                                \
-    CALL(q, k, v, blocks, first, last, g, scale, scores, tmp, st);                                          \
+// One compiled entry per (head_dim class, cache kind). The any-head_dim ones are cloned per ISA
+// (PAGEDSERVE_MULTIVERSION). The vector ones are cloned for AVX-512 and the baseline over v16sf,
+// and built once more for AVX2 over F8x2 (the `_avx2` entries): GCC's AVX2 clone of the v16sf
+// code ran 4-6x slower than the AVX-512 one (vec_avx2.h).
+#define PAGEDSERVE_ATTEND_ENTRY(ATTRS, NAME, CALL)                                                                \
+  ATTRS void NAME(const float* q, const Source& k, const Source& v, const int32_t* blocks, int64_t first,        \
+                  int64_t last, const Geometry& g, float scale, float* scores, float* tmp, Partial st) {        \
+    CALL(q, k, v, blocks, first, last, g, scale, scores, tmp, st);                                              \
   }
-PAGEDSERVE_ATTEND_ENTRY(attend_any_fp32, attend_any<kFloat32>)
-PAGEDSERVE_ATTEND_ENTRY(attend_any_bf16, attend_any<kBFloat16>)
-PAGEDSERVE_ATTEND_ENTRY(attend_any_int8, attend_any<kInt8>)
-PAGEDSERVE_ATTEND_ENTRY(attend_any_fp8, attend_any<kFp8>)
+PAGEDSERVE_ATTEND_ENTRY(PAGEDSERVE_MULTIVERSION, attend_any_fp32, attend_any<kFloat32>)
+PAGEDSERVE_ATTEND_ENTRY(PAGEDSERVE_MULTIVERSION, attend_any_bf16, attend_any<kBFloat16>)
+PAGEDSERVE_ATTEND_ENTRY(PAGEDSERVE_MULTIVERSION, attend_any_int8, attend_any<kInt8>)
+PAGEDSERVE_ATTEND_ENTRY(PAGEDSERVE_MULTIVERSION, attend_any_fp8, attend_any<kFp8>)
 #define PAGEDSERVE_COMMA ,
-PAGEDSERVE_ATTEND_ENTRY(attend64_fp32, attend_vec<kFloat32 PAGEDSERVE_COMMA 2>)
-PAGEDSERVE_ATTEND_ENTRY(attend64_bf16, attend_vec<kBFloat16 PAGEDSERVE_COMMA 2>)
-PAGEDSERVE_ATTEND_ENTRY(attend64_int8, attend_vec<kInt8 PAGEDSERVE_COMMA 2>)
-PAGEDSERVE_ATTEND_ENTRY(attend64_fp8, attend_vec<kFp8 PAGEDSERVE_COMMA 2>)
-PAGEDSERVE_ATTEND_ENTRY(attend128_fp32, attend_vec<kFloat32 PAGEDSERVE_COMMA 4>)
-PAGEDSERVE_ATTEND_ENTRY(attend128_bf16, attend_vec<kBFloat16 PAGEDSERVE_COMMA 4>)
-PAGEDSERVE_ATTEND_ENTRY(attend128_int8, attend_vec<kInt8 PAGEDSERVE_COMMA 4>)
-PAGEDSERVE_ATTEND_ENTRY(attend128_fp8, attend_vec<kFp8 PAGEDSERVE_COMMA 4>)
+#define PAGEDSERVE_VECTOR_ENTRIES(ATTRS, SUFFIX, V)                                                              \
+  PAGEDSERVE_ATTEND_ENTRY(ATTRS, attend64_fp32##SUFFIX, attend_vec<kFloat32 PAGEDSERVE_COMMA 2 PAGEDSERVE_COMMA V>)   \
+  PAGEDSERVE_ATTEND_ENTRY(ATTRS, attend64_bf16##SUFFIX, attend_vec<kBFloat16 PAGEDSERVE_COMMA 2 PAGEDSERVE_COMMA V>)  \
+  PAGEDSERVE_ATTEND_ENTRY(ATTRS, attend64_int8##SUFFIX, attend_vec<kInt8 PAGEDSERVE_COMMA 2 PAGEDSERVE_COMMA V>)      \
+  PAGEDSERVE_ATTEND_ENTRY(ATTRS, attend64_fp8##SUFFIX, attend_vec<kFp8 PAGEDSERVE_COMMA 2 PAGEDSERVE_COMMA V>)        \
+  PAGEDSERVE_ATTEND_ENTRY(ATTRS, attend128_fp32##SUFFIX, attend_vec<kFloat32 PAGEDSERVE_COMMA 4 PAGEDSERVE_COMMA V>)  \
+  PAGEDSERVE_ATTEND_ENTRY(ATTRS, attend128_bf16##SUFFIX, attend_vec<kBFloat16 PAGEDSERVE_COMMA 4 PAGEDSERVE_COMMA V>) \
+  PAGEDSERVE_ATTEND_ENTRY(ATTRS, attend128_int8##SUFFIX, attend_vec<kInt8 PAGEDSERVE_COMMA 4 PAGEDSERVE_COMMA V>)     \
+  PAGEDSERVE_ATTEND_ENTRY(ATTRS, attend128_fp8##SUFFIX, attend_vec<kFp8 PAGEDSERVE_COMMA 4 PAGEDSERVE_COMMA V>)
+#ifdef PAGEDSERVE_HAVE_F8X2
+PAGEDSERVE_VECTOR_ENTRIES(__attribute__((target_clones("arch=x86-64-v4", "default"))), , v16sf)
+PAGEDSERVE_VECTOR_ENTRIES(__attribute__((target("arch=x86-64-v3"))), _avx2, F8x2)
+#else
+PAGEDSERVE_VECTOR_ENTRIES(PAGEDSERVE_MULTIVERSION, , v16sf)
+#endif
+#undef PAGEDSERVE_VECTOR_ENTRIES
 #undef PAGEDSERVE_COMMA
+
+// 0: the vector entries this CPU is best served by; 1: the AVX2 ones wherever they run (tests).
+std::atomic<bool> g_force_avx2{false};
+
+// Whether the vector kernels take their F8x2 (AVX2) entries here: CPUs with AVX2 and FMA but
+// without AVX-512, or any CPU with AVX2 and FMA when forced.
+bool avx2_vector_entries() {
+#ifdef PAGEDSERVE_HAVE_F8X2
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  return avx2 && (!avx512 || g_force_avx2.load(std::memory_order_relaxed));
+#else
+  return false;
+#endif
+}
 
 int64_t cache_kind(const torch::Tensor& cache, const torch::Tensor& lut) {
   switch (cache.scalar_type()) {
@@ -458,6 +483,8 @@ std::vector<int64_t> balance(const std::vector<WorkItem>& items, int64_t threads
 
 }  // namespace
 
+bool force_avx2_decode_attention(bool force) { return g_force_avx2.exchange(force); }
+
 // Writes out[row] for every sequence whose query_start_loc span is exactly one row; rows of
 // longer spans (prefill chunks) are left untouched for the caller. sliding_window <= 0: none.
 // query / out: both float32 or both bfloat16. k_scale / v_scale: undefined (None) for float
@@ -511,8 +538,16 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   static const AttendFn kernels[3][4] = {{attend_any_fp32, attend_any_bf16, attend_any_int8, attend_any_fp8},
                                          {attend64_fp32, attend64_bf16, attend64_int8, attend64_fp8},
                                          {attend128_fp32, attend128_bf16, attend128_int8, attend128_fp8}};
+#ifdef PAGEDSERVE_HAVE_F8X2
+  static const AttendFn avx2_kernels[3][4] = {
+      {attend_any_fp32, attend_any_bf16, attend_any_int8, attend_any_fp8},
+      {attend64_fp32_avx2, attend64_bf16_avx2, attend64_int8_avx2, attend64_fp8_avx2},
+      {attend128_fp32_avx2, attend128_bf16_avx2, attend128_int8_avx2, attend128_fp8_avx2}};
+#else
+  static const AttendFn(&avx2_kernels)[3][4] = kernels;
+#endif
   const int64_t variant = head_dim == 64 ? 1 : head_dim == 128 ? 2 : 0;
-  const AttendFn attend = kernels[variant][kind];
+  const AttendFn attend = (avx2_vector_entries() ? avx2_kernels : kernels)[variant][kind];
   // The vector kernels over bf16 caches keep q and the accumulators in load32's lane order.
   const bool lane_order = variant != 0 && kind == kBFloat16;
   const Source k{key_cache.data_ptr(), k_scales, k_fixed, kind == kFp8 ? lut.data_ptr<float>() : nullptr};

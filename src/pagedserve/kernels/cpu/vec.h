@@ -3,7 +3,9 @@
 // The kernels are written once with GCC vector types and compiled per ISA by
 // PAGEDSERVE_MULTIVERSION (AVX-512, AVX2+FMA, baseline), picked at load time by the CPU, so a
 // build cached on one machine never executes an instruction another machine lacks. A v16sf is one
-// AVX-512 register, two AVX2 ones or four SSE ones, whichever the clone has.
+// AVX-512 register, two AVX2 ones or four SSE ones, whichever the clone has; but without AVX-512
+// GCC compiles v16sf comparisons, selects, shuffles and lane writes to scalar code, so code whose
+// AVX2 speed matters is written over Vec16<V> and built for AVX2 over F8x2 (vec_avx2.h).
 #pragma once
 
 #include <algorithm>
