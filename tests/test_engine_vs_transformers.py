@@ -142,9 +142,10 @@ def test_temperature_sampling_is_seeded_and_valid(tiny_model_dir):
 @pytest.mark.parametrize("family", ["llama", "llama3", "qwen3"])
 def test_greedy_matches_transformers_on_an_avx2_cpu(tiny_model_dir, monkeypatch, family):
     """The kernel choice of a CPU with AVX2 but no AVX-512: fp32 layers (the tied LM head too) take
-    the AVX2 kernel, prefill attention the SDPA. Its sums are the AVX-512 kernel's, so the greedy
-    ids are transformers' as well."""
+    the AVX2 linear kernel, prefill rows the AVX2 prefill attention (head_dim a multiple of 32; the
+    SDPA otherwise). Their sums are the AVX-512 kernels', so the greedy ids are transformers' too."""
     from pagedserve.kernels.cpu import linear as cpu_linear
+    from pagedserve.kernels.cpu.build import load_extension
 
     if cpu_linear.AVX2_FP32 not in cpu_linear.runnable_kernels(torch.float32):
         pytest.skip("this CPU has no AVX2 with FMA")
@@ -155,9 +156,13 @@ def test_greedy_matches_transformers_on_an_avx2_cpu(tiny_model_dir, monkeypatch,
         path = tiny_model_dir(family)
         engine = make_engine(path, block_size=16, max_num_batched_tokens=37)
         assert engine.runner.model.lm_head[0].kernel.kernel is cpu_linear.AVX2_FP32
-        assert not cpu_linear.avx512_available()  # so attention.py keeps the SDPA for prefill rows
+        ext, prefills = load_extension(), []
+        avx2_prefill = ext.paged_prefill_attention_avx2
+        monkeypatch.setattr(ext, "paged_prefill_attention_avx2", lambda *a: prefills.append(1) or avx2_prefill(*a))
+        monkeypatch.setattr(ext, "paged_prefill_attention", None)  # AVX-512's entry: never called here
         prompts = random_prompts(6, 3, 70, seed=31)
         results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+        assert bool(prefills) == (engine.runner.model.arch.head_dim % 32 == 0)  # the kernel's head_dims (qwen3's)
         for prompt, res in zip(prompts, results):
             assert list(res.token_ids) == hf_greedy(path, prompt, 20), f"prompt of {len(prompt)} tokens"
         assert_all_free(engine)

@@ -143,21 +143,32 @@ def test_bf16_queries_run_through_the_kernel(specs, cache_dtype, monkeypatch):
 
 
 # fp32 prefill rows over an fp32 cache go through paged_prefill_attention.cpp where the CPU has
-# AVX-512, and bf16 rows over a bf16 cache where it also lacks bf16 dot products: whole prompts,
-# chunks after a cached prefix, 1-2 row chunks, rows not a multiple of its 12-row blocks, keys not
-# a multiple of its 32-key panels, GQA groups, head_dim 32 / 64 / 128. bf16 is computed in fp32
-# and rounded once, as the reference's SDPA does: within a bf16 step of it.
-@pytest.mark.skipif(not avx512_available(), reason="this CPU has no AVX-512 (the reference SDPA runs)")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# AVX-512 or AVX2 (avx2: the kernel choice of a CPU without AVX-512, which every AVX-512 CPU can
+# run too), and bf16 rows over a bf16 cache where it has AVX-512 but no bf16 dot products: whole
+# prompts, chunks after a cached prefix, 1-2 row chunks, rows not a multiple of its 12-row blocks
+# (6-row slices on AVX2), keys not a multiple of its 32-key panels or of 16 (the softmax's
+# vectors), GQA groups, head_dim 32 / 64 / 128. bf16 is computed in fp32 and rounded once, as the
+# reference's SDPA does: within a bf16 step of it.
+@pytest.mark.parametrize("isa,dtype", [("avx512", torch.float32), ("avx512", torch.bfloat16), ("avx2", torch.float32)])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size",
                          [(3, 3, 64, 16), (1, 8, 128, 16), (4, 2, 32, 32), (2, 5, 64, 7), (2, 1, 64, 1)])
 @pytest.mark.parametrize("specs", [[(0, 512)], [(300, 250), (0, 13), (40, 1), (7, 2)], MIXED],
                          ids=["prompt", "chunks", "mixed"])
 def test_prefill_rows_run_through_the_prefill_kernel(specs, num_kv_heads, group, head_dim, block_size, threads,
-                                                     dtype, monkeypatch):
+                                                     dtype, isa, monkeypatch):
+    if isa == "avx512" and not avx512_available():
+        pytest.skip("this CPU has no AVX-512")
+    if isa == "avx2":
+        if not avx2_fp32_available():
+            pytest.skip("this CPU has no AVX2 with FMA (the reference SDPA runs)")
+        monkeypatch.setattr(cpu.attention, "avx512_available", lambda: False)
     if dtype == torch.bfloat16 and not bf16_fp32_math_available():
         pytest.skip("this CPU has native bf16: bf16 prefill rows take torch's SDPA")
+    ext, entry = load_extension(), "paged_prefill_attention" + ("_avx2" if isa == "avx2" else "")
+    calls = []
+    real_entry = getattr(ext, entry)
+    monkeypatch.setattr(ext, entry, lambda *args: calls.append(entry) or real_entry(*args))
 
     def refuse(*args, **kwargs):
         raise AssertionError("prefill rows fell back to the reference SDPA")
@@ -170,6 +181,7 @@ def test_prefill_rows_run_through_the_prefill_kernel(specs, num_kv_heads, group,
                             dtype=dtype)
     finally:
         torch.set_num_threads(before)
+    assert calls and set(calls) == {entry}
     tolerance = 2e-5 if dtype == torch.float32 else 8e-3
     torch.testing.assert_close(out, ref, atol=tolerance, rtol=tolerance)
 
@@ -177,11 +189,11 @@ def test_prefill_rows_run_through_the_prefill_kernel(specs, num_kv_heads, group,
 def test_bf16_prefill_rows_take_sdpa_where_bf16_is_native(monkeypatch):
     """With bf16 dot products (AMX, AVX512-BF16) torch's bf16 SDPA beats fp32 math: it keeps them."""
     monkeypatch.setattr(cpu.attention, "bf16_fp32_math_available", lambda: True)
-    kernel_runs = cpu.attention._prefill_kernel_runs
+    kernel_for = cpu.attention._prefill_kernel
     bf16 = torch.empty(2, 3, 64, dtype=torch.bfloat16)
-    assert kernel_runs(bf16, bf16, None) == avx512_available()
+    assert kernel_for(bf16, bf16, None) == ("paged_prefill_attention" if avx512_available() else None)
     monkeypatch.setattr(cpu.attention, "bf16_fp32_math_available", lambda: False)
-    assert not kernel_runs(bf16, bf16, None)
+    assert kernel_for(bf16, bf16, None) is None
     calls = []
     real = cpu.attention.prefill_attention
     monkeypatch.setattr(cpu.attention, "prefill_attention", lambda *a: calls.append(a[-1]) or real(*a))
@@ -189,11 +201,12 @@ def test_bf16_prefill_rows_take_sdpa_where_bf16_is_native(monkeypatch):
     assert calls == [torch.bfloat16]  # SDPA in bf16, once per batch with prefill rows
 
 
-def test_the_prefill_kernel_rejects_what_it_cannot_read():
-    if not avx512_available():
-        pytest.skip("this CPU has no AVX-512")
+@pytest.mark.parametrize("entry", ["paged_prefill_attention", "paged_prefill_attention_avx2"])
+def test_the_prefill_kernel_rejects_what_it_cannot_read(entry):
+    if not (avx512_available() if entry == "paged_prefill_attention" else avx2_fp32_available()):
+        pytest.skip(f"this CPU cannot run {entry}")
     args, _ = make_batch([(3, 5)], num_kv_heads=2, group=2, head_dim=64, block_size=16, dtype=torch.float32)
-    call = load_extension().paged_prefill_attention
+    call = getattr(load_extension(), entry)
     out = torch.empty_like(args["query"])
     with pytest.raises(RuntimeError, match="key_cache must be a contiguous 4-D float32 tensor like the query"):
         call(out, args["query"], args["key_cache"].to(torch.bfloat16), args["value_cache"], args["block_table"],

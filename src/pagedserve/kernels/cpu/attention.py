@@ -1,14 +1,14 @@
 """CPU attention: decode rows through the C++ decode kernel; prefill rows through the C++ prefill
-kernel (fp32 math, AVX-512) or the reference's SDPA.
+kernel (fp32 math, AVX-512 or AVX2) or the reference's SDPA.
 
 The C++ kernel (paged_decode_attention.cpp) covers the hot case: one query row per sequence, with
 or without a sliding window, reading fp32, bf16, int8 or fp8 caches in place (dequantizing with
 the same per-slot or static scales as the reference). It computes in fp32 and takes fp32 or bf16
 queries (bf16: the engine's dtype on AMX / AVX512-BF16 hosts), rounding its bf16 rows once at the
-end, which is what the reference does around its fp32 SDPA. Prefill chunks over fp32 caches without
-a sliding window, and over bf16 caches on CPUs without bf16 dot products, go through
-paged_prefill_attention.cpp (two GEMMs and an exact softmax per block of query rows, fp32 math);
-the others keep the reference's SDPA. fp16 queries or caches keep the reference
+end, which is what the reference does around its fp32 SDPA. Prefill chunks without a sliding
+window over fp32 caches (AVX-512, or AVX2 with FMA), and over bf16 caches on AVX-512 CPUs without
+bf16 dot products, go through paged_prefill_attention.cpp (two GEMMs and an exact softmax per
+block of query rows, fp32 math); the others keep the reference's SDPA. fp16 queries or caches keep the reference
 path entirely. The contract is the reference's (kernels/reference/attention.py).
 """
 
@@ -21,7 +21,7 @@ from torch import Tensor
 
 from pagedserve.kernels import reference
 from pagedserve.kernels.cpu.build import load_extension
-from pagedserve.kernels.cpu.linear import avx512_available, bf16_fp32_math_available
+from pagedserve.kernels.cpu.linear import avx2_fp32_available, avx512_available, bf16_fp32_math_available
 from pagedserve.kernels.kv_quant import FP8_DTYPES, scale_mode
 from pagedserve.kernels.reference.attention import check_paged_attention_args, prefill_attention
 
@@ -61,14 +61,19 @@ def _checked_args(query, key_cache, value_cache, block_table, query_start_loc, s
     return value
 
 
-def _prefill_kernel_runs(query: Tensor, key_cache: Tensor, sliding_window: int | None) -> bool:
-    """fp32, or bf16 where the CPU has no bf16 dot products (with them, torch's bf16 SDPA is the
-    faster: 2.5-3x its fp32 on AMX)."""
+def _prefill_kernel(query: Tensor, key_cache: Tensor, sliding_window: int | None) -> str | None:
+    """The extension's entry point for these prefill rows, or None for the SDPA: fp32 on AVX-512 or
+    AVX2, bf16 on AVX-512 where the CPU has no bf16 dot products (with them, torch's bf16 SDPA is
+    the faster: 2.5-3x its fp32 on AMX)."""
     if sliding_window is not None or query.shape[-1] % 32 or query.dtype != key_cache.dtype:
-        return False
-    if query.dtype == torch.float32:
-        return avx512_available()
-    return query.dtype == torch.bfloat16 and bf16_fp32_math_available()
+        return None
+    if query.dtype == torch.float32 and avx512_available():
+        return "paged_prefill_attention"
+    if query.dtype == torch.float32 and avx2_fp32_available():
+        return "paged_prefill_attention_avx2"
+    if query.dtype == torch.bfloat16 and bf16_fp32_math_available():
+        return "paged_prefill_attention"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,12 +120,13 @@ def paged_attention(
     if max_query_len <= 1:  # decode rows only: the kernel wrote them all
         return out
     # Prefill rows (left untouched by the decode kernel): through the C++ prefill kernel where it
-    # runs (AVX-512; 2-3x torch's CPU flash attention in fp32). Otherwise the reference's SDPA, in
+    # runs (2-3x torch's CPU flash attention in fp32 on AVX-512). Otherwise the reference's SDPA, in
     # bf16 where the queries and the cache are bf16 (CPU flash attention accumulates in fp32, as
     # Hugging Face's bf16 SDPA does; measured 2.5-3x faster than fp32 on AMX).
-    if _prefill_kernel_runs(query, key_cache, sliding_window):
-        load_extension().paged_prefill_attention(out, query, key_cache, value_cache, block_table, query_start_loc,
-                                                 seq_lens, float(scale))
+    kernel = _prefill_kernel(query, key_cache, sliding_window)
+    if kernel is not None:
+        getattr(load_extension(), kernel)(out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+                                          float(scale))
         return out
     both_bf16 = query.dtype == key_cache.dtype == torch.bfloat16
     prefill_attention(query, key_cache, value_cache, block_table, starts, lens, q_lens, mode, scale,

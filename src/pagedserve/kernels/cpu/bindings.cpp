@@ -15,6 +15,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Prefill rows (q_len > 1) of a packed varlen batch attending causally over an fp32 or bf16 paged KV cache (query of the same dtype).",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"));
+  m.def("paged_prefill_attention_avx2", &paged_prefill_attention_avx2,
+        "paged_prefill_attention on AVX2 with FMA (ymm blocks, the same sums).", py::arg("out"), py::arg("query"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"), py::arg("query_start_loc"),
+        py::arg("seq_lens"), py::arg("scale"));
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = weight * rms_norm(residual), in place.",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("rms_norm", &rms_norm, "weight * rms_norm(x) as a new tensor.", py::arg("x"), py::arg("weight"), py::arg("eps"));

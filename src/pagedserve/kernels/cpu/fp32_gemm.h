@@ -244,34 +244,40 @@ PAGEDSERVE_AVX512_BF16 void pair_block(const uint32_t* x, const uint16_t* panel,
 // The AVX2 block over fp32 panels: y[r * ldy + c] = sum_k x[k * ldk + r] * panel(k, 8 j0 + c) for
 // r < R, c < 8 C, in R x C ymm accumulators (R x C = 12 at most, of 16 registers), each sum taken
 // as `block` takes it. x is a slice of rows packed by pack_rows (ldk: that packed block's rows).
-template <int R, int C>
-PAGEDSERVE_AVX2 inline void ymm_step(const float* x, int64_t ldk, int j0, const float* panel, int64_t k,
-                                     __m256 (&acc)[R][C]) {
+// x(r, k): x[k * ld + r] for rows packed by pack_rows (ld: that packed block's rows), else
+// x[r * ld + k] (rows as they lie).
+template <bool PackedX>
+inline const float* x_at(const float* x, int64_t ld, int r, int64_t k) {
+  return PackedX ? x + k * ld + r : x + r * ld + k;
+}
+
+template <int R, int C, bool PackedX>
+PAGEDSERVE_AVX2 inline void ymm_step(const float* x, int64_t ld, const float* step, int64_t k, __m256 (&acc)[R][C]) {
   __m256 w[C];
 #pragma GCC unroll 4
-  for (int j = 0; j < C; ++j) w[j] = Fp32Panel::load8(panel + k * Fp32Panel::kStep, j0 + j);
+  for (int j = 0; j < C; ++j) w[j] = Fp32Panel::load8(step, j);
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
-    const __m256 xr = _mm256_broadcast_ss(x + k * ldk + r);
+    const __m256 xr = _mm256_broadcast_ss(x_at<PackedX>(x, ld, r, k));
 #pragma GCC unroll 4
     for (int j = 0; j < C; ++j) acc[r][j] = _mm256_fmadd_ps(xr, w[j], acc[r][j]);
   }
 }
 
-// The AVX2 block over fp32 panels: y[r * ldy + c] = sum_k x[k * ldk + r] * panel(k, 8 j0 + c) for
-// r < R, c < 8 C, in R x C ymm accumulators (R x C = 12 at most, of 16 registers), each sum taken
-// as `block` takes it. x is a slice of rows packed by pack_rows (ldk: that packed block's rows).
+// The AVX2 block over fp32 panels: y[r * ldy + c] = sum_k x(r, k) * panel(k, c) for r < R,
+// c < 8 C (the panel's steps ldp floats apart, from its column 0 as given), in R x C ymm
+// accumulators (R x C = 12 at most, of 16 registers), each sum taken as `block` takes it.
 // k runs in groups of 4 with the prefetch checked once per group: with half as many FMAs per k as
 // `block`, the loop's bookkeeping would otherwise cost a 4-wide front end about a fifth.
-template <int R, int C>
-PAGEDSERVE_AVX2 void ymm_block(const float* x, int64_t ldk, int j0, const float* panel, int64_t K, float* y,
+template <int R, int C, bool PackedX>
+PAGEDSERVE_AVX2 void ymm_block(const float* x, int64_t ld, const float* panel, int64_t ldp, int64_t K, float* y,
                                int64_t ldy, Prefetch<Fp32Panel> pf) {
   __m256 acc[R][C];
   int64_t due = pf.next != nullptr ? pf.phase : K;
   auto prefetch_until = [&](int64_t end) {  // every due step before `end`
     for (; due < end; due += pf.every) {
-      _mm_prefetch(reinterpret_cast<const char*>(pf.next + due * Fp32Panel::kStep), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(pf.next + due * Fp32Panel::kStep) + 64, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(pf.next + due * ldp), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(pf.next + due * ldp) + 64, _MM_HINT_T1);
     }
   };
   for (int64_t k0 = 0; k0 < K; k0 += kSumBlock) {
@@ -285,11 +291,11 @@ PAGEDSERVE_AVX2 void ymm_block(const float* x, int64_t ldk, int j0, const float*
     for (; k + 4 <= k1; k += 4) {
       prefetch_until(k + 4);
 #pragma GCC unroll 4
-      for (int s = 0; s < 4; ++s) ymm_step<R, C>(x, ldk, j0, panel, k + s, acc);
+      for (int s = 0; s < 4; ++s) ymm_step<R, C, PackedX>(x, ld, panel + (k + s) * ldp, k + s, acc);
     }
     for (; k < k1; ++k) {
       prefetch_until(k + 1);
-      ymm_step<R, C>(x, ldk, j0, panel, k, acc);
+      ymm_step<R, C, PackedX>(x, ld, panel + k * ldp, k, acc);
     }
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
@@ -331,30 +337,34 @@ inline void packed_rows_block(int64_t rows, const float* packed, const typename 
   table[rows - 1](packed, 0, panel, ldp, K, y, ldy, pf);
 }
 
-using YmmBlockFn = void (*)(const float*, int64_t, int, const float*, int64_t, float*, int64_t, Prefetch<Fp32Panel>);
+using YmmBlockFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t,
+                            Prefetch<Fp32Panel>);
 
-template <int C, int... R>
+template <int C, bool PackedX, int... R>
 constexpr std::array<YmmBlockFn, sizeof...(R)> ymm_block_table(std::integer_sequence<int, R...>) {
-  return {&ymm_block<R + 1, C>...};
+  return {&ymm_block<R + 1, C, PackedX>...};
 }
 
 constexpr int64_t kYmmRows = 6;  // rows per ymm_block over half a panel (12 accumulators)
 
-// packed_rows_block's work on AVX2 over an fp32 panel: its rows (up to kBlockRows, packed by
-// pack_rows) in slices of up to kYmmRows, each the whole panel (up to 3 rows) or the panel's two
-// halves (4-6 rows); the first slice prefetches.
-inline void ymm_rows_block(int64_t rows, const float* packed, const float* panel, int64_t K, float* y, int64_t ldy,
-                           Prefetch<Fp32Panel> pf = {}) {
-  static constexpr auto whole = ymm_block_table<4>(std::make_integer_sequence<int, kYmmRows / 2>{});
-  static constexpr auto halves = ymm_block_table<2>(std::make_integer_sequence<int, kYmmRows>{});
+// What packed_rows_block (PackedX: x packed by pack_rows, ld its row count) and rows_block (x's
+// rows ld floats apart) do, on AVX2 over an fp32 panel: up to kBlockRows rows in slices of up to
+// kYmmRows, each over the whole panel (up to 3 rows) or the panel's two halves (4-6 rows); the
+// first slice prefetches.
+template <bool PackedX>
+inline void ymm_rows_block(int64_t rows, const float* x, int64_t ld, const float* panel, int64_t ldp, int64_t K,
+                           float* y, int64_t ldy, Prefetch<Fp32Panel> pf = {}) {
+  static constexpr auto whole = ymm_block_table<4, PackedX>(std::make_integer_sequence<int, kYmmRows / 2>{});
+  static constexpr auto halves = ymm_block_table<2, PackedX>(std::make_integer_sequence<int, kYmmRows>{});
   for (int64_t r0 = 0; r0 < rows; r0 += kYmmRows) {
     const int64_t n = std::min(kYmmRows, rows - r0);
+    const float* xs = PackedX ? x + r0 : x + r0 * ld;
     const Prefetch<Fp32Panel> first = r0 == 0 ? pf : Prefetch<Fp32Panel>{};
     if (n <= kYmmRows / 2) {
-      whole[n - 1](packed + r0, rows, 0, panel, K, y + r0 * ldy, ldy, first);
+      whole[n - 1](xs, ld, panel, ldp, K, y + r0 * ldy, ldy, first);
     } else {
-      halves[n - 1](packed + r0, rows, 0, panel, K, y + r0 * ldy, ldy, first);
-      halves[n - 1](packed + r0, rows, 2, panel, K, y + r0 * ldy + 16, ldy, {});
+      halves[n - 1](xs, ld, panel, ldp, K, y + r0 * ldy, ldy, first);
+      halves[n - 1](xs, ld, panel + 16, ldp, K, y + r0 * ldy + 16, ldy, {});
     }
   }
 }

@@ -98,8 +98,8 @@ def avx512_available() -> bool:
 
 
 def avx2_fp32_available() -> bool:
-    """Whether fp32 layers can take the AVX2 kernel here: AVX2 with FMA. Where AVX-512 runs too,
-    that is preferred."""
+    """Whether fp32 layers can take the AVX2 kernel here (and attention.py's prefill its AVX2 entry):
+    AVX2 with FMA. Where AVX-512 runs too, that is preferred."""
     return _available(AVX2_FP32)
 
 

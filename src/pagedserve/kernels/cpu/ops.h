@@ -26,6 +26,9 @@ bool force_avx2_decode_attention(bool force);
 void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                              torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_start_loc,
                              torch::Tensor seq_lens, double scale);
+void paged_prefill_attention_avx2(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                                  torch::Tensor value_cache, torch::Tensor block_table,
+                                  torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale);
 
 // fused_ops.cpp
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);

@@ -1,6 +1,8 @@
 // Prefill rows (a sequence's chunk of more than one query row) attending causally over an fp32 or
-// bf16 paged KV cache, on AVX-512: the GEMM-shaped half of attention, done as two GEMMs per block
-// of query rows with the fp32 register block of fp32_gemm.h, in fp32 math.
+// bf16 paged KV cache, on AVX-512 (paged_prefill_attention) or AVX2 with FMA
+// (paged_prefill_attention_avx2): the GEMM-shaped half of attention, done as two GEMMs per block of
+// query rows with the fp32 register blocks of fp32_gemm.h (`block`, or ymm_block on AVX2), in fp32
+// math.
 //
 // Why: torch's CPU flash attention (SDPA) ran fp32 prefill at ~100 GFLOP/s here, a fifth of a
 // 512-token prefill's time, against ~280 for the same FMAs in fp32_gemm.h's block; in bf16 on a
@@ -28,6 +30,7 @@
 #include "fp32_gemm.h"
 #include "ops.h"
 #include "vec.h"
+#include "vec_avx2.h"
 
 namespace pagedserve {
 namespace {
@@ -103,8 +106,57 @@ PAGEDSERVE_AVX512 void softmax_rows(float* scores, int64_t ld, int64_t rows, int
   }
 }
 
+// The same on AVX2, over F8x2 (vec_avx2.h: GCC compiles v16sf's comparisons and selects to
+// scalar code without AVX-512); the last partial 16 keys are masked by fill_from.
+PAGEDSERVE_AVX2 void softmax_rows_ymm(float* scores, int64_t ld, int64_t rows, int64_t keys, const int64_t* visible,
+                                      float scale, float* sums) {
+  using VO = Vec16<F8x2>;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * ld;
+    const int64_t n = visible[r], written = (n + 15) / 16 * 16;
+    F8x2 m = VO::splat(kNegInf);
+    for (int64_t j = 0; j < written; j += 16) m = VO::max(m, VO::fill_from(VO::load(s + j), n - j, kNegInf));
+    const float row_max = VO::hmax(m);
+    F8x2 l = VO::zero();
+    for (int64_t j = 0; j < written; j += 16) {  // keys past the row's position: 0
+      const F8x2 e = VO::fill_from(VO::exp((VO::load(s + j) - row_max) * scale), n - j, 0.f);
+      VO::store(s + j, e);
+      l += e;
+    }
+    if (written < keys) std::fill(s + written, s + keys, 0.f);
+    sums[r] = VO::hsum(l);
+  }
+}
+
+// What prefill_sequence computes with: one of fp32_gemm.h's register blocks (x's rows as they
+// lie) and the softmax for the same ISA.
+struct Avx512Math {
+  static constexpr const char* isa = "AVX-512";
+  static bool available() { return fp32_gemm::available(); }
+  static void rows_block(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t ldp, int64_t K,
+                         float* y, int64_t ldy) {
+    fp32_gemm::rows_block(rows, x, ldx, panel, ldp, K, y, ldy);
+  }
+  static void softmax(float* scores, int64_t ld, int64_t rows, int64_t keys, const int64_t* visible, float scale,
+                      float* sums) {
+    softmax_rows(scores, ld, rows, keys, visible, scale, sums);
+  }
+};
+struct Avx2Math {
+  static constexpr const char* isa = "AVX2 with FMA";
+  static bool available() { return fp32_gemm::avx2_available(); }
+  static void rows_block(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t ldp, int64_t K,
+                         float* y, int64_t ldy) {
+    fp32_gemm::ymm_rows_block<false>(rows, x, ldx, panel, ldp, K, y, ldy);
+  }
+  static void softmax(float* scores, int64_t ld, int64_t rows, int64_t keys, const int64_t* visible, float scale,
+                      float* sums) {
+    softmax_rows_ymm(scores, ld, rows, keys, visible, scale, sums);
+  }
+};
+
 // One sequence's prefill rows: query rows [q0, q0 + q_len) at positions [n - q_len, n).
-template <class T>
+template <class Math, class T>
 void prefill_sequence(T* out, const T* query, const float* kt, const float* v, int64_t q0, int64_t q_len,
                       int64_t n, int64_t n_pad, const Shapes& s, float scale) {
   const int64_t D = s.dim, group = s.heads / s.kv_heads, ldq = s.heads * D;
@@ -138,14 +190,14 @@ void prefill_sequence(T* out, const T* query, const float* kt, const float* v, i
       }
       const float* kh = kt + kvh * n_pad * D;
       for (int64_t p = 0; p < keys_pad / kPanel; ++p) {
-        fp32_gemm::rows_block(rows, q, ldx, kh + p * kPanel * D, kPanel, D, scores.data() + p * kPanel, lds);
+        Math::rows_block(rows, q, ldx, kh + p * kPanel * D, kPanel, D, scores.data() + p * kPanel, lds);
       }
       int64_t visible[kBlockRows];
       float sums[kBlockRows];
       for (int64_t r = 0; r < rows; ++r) visible[r] = first_pos + r0 + r + 1;
-      softmax_rows(scores.data(), lds, rows, keys_pad, visible, scale, sums);
+      Math::softmax(scores.data(), lds, rows, keys_pad, visible, scale, sums);
       for (int64_t c = 0; c < D; c += kPanel) {
-        fp32_gemm::rows_block(rows, scores.data(), lds, v + kvh * n_pad * D + c, D, keys, o + c, ldo);
+        Math::rows_block(rows, scores.data(), lds, v + kvh * n_pad * D + c, D, keys, o + c, ldo);
       }
       for (int64_t r = 0; r < rows; ++r) {
         const float inv = 1.f / sums[r];
@@ -167,7 +219,7 @@ void check_tensor(const torch::Tensor& t, const char* name, int64_t dim, c10::Sc
 
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
 // Every sequence with more than one query row, one after the other (threads split each one's work).
-template <class T>
+template <class Math, class T>
 void prefill_all(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                  const torch::Tensor& value_cache, const torch::Tensor& block_table, const int32_t* starts,
                  const int32_t* lens, int64_t B, const Shapes& s, float scale) {
@@ -183,17 +235,17 @@ void prefill_all(torch::Tensor& out, const torch::Tensor& query, const torch::Te
     v.resize(kt.size());
     gather_sequence(key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
                     block_table.data_ptr<int32_t>() + b * s.table_stride, n, n_pad, s, kt.data(), v.data());
-    prefill_sequence(out.data_ptr<T>(), query.data_ptr<T>(), kt.data(), v.data(), q0, q_len, n, n_pad, s, scale);
+    prefill_sequence<Math>(out.data_ptr<T>(), query.data_ptr<T>(), kt.data(), v.data(), q0, q_len, n, n_pad, s,
+                           scale);
   }
 }
-#endif
 
-}  // namespace
-
-void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                             torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_start_loc,
-                             torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(fp32_gemm::available(), "paged_prefill_attention: this CPU (or build) offers no AVX-512");
+// The checks, then prefill_all in the dtype given.
+template <class Math>
+void prefill_attention(const char* name, torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                       torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_start_loc,
+                       torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(Math::available(), name, ": this CPU offers no ", Math::isa);
   const c10::ScalarType dtype = query.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16,
               "paged_prefill_attention: query must be float32 or bfloat16, got ", dtype_name(dtype));
@@ -214,15 +266,39 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
   const int64_t B = seq_lens.numel();
   TORCH_CHECK(query_start_loc.numel() == B + 1 && block_table.size(0) >= B,
               "paged_prefill_attention: one query_start_loc entry per sequence plus one, a block_table row each");
-#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   if (dtype == torch::kFloat) {
-    prefill_all<float>(out, query, key_cache, value_cache, block_table, starts, lens, B, s, static_cast<float>(scale));
+    prefill_all<Math, float>(out, query, key_cache, value_cache, block_table, starts, lens, B, s,
+                             static_cast<float>(scale));
   } else {
-    prefill_all<c10::BFloat16>(out, query, key_cache, value_cache, block_table, starts, lens, B, s,
-                               static_cast<float>(scale));
+    prefill_all<Math, c10::BFloat16>(out, query, key_cache, value_cache, block_table, starts, lens, B, s,
+                                     static_cast<float>(scale));
   }
+}
+#endif
+
+}  // namespace
+
+void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                             torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_start_loc,
+                             torch::Tensor seq_lens, double scale) {
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+  prefill_attention<Avx512Math>("paged_prefill_attention", out, query, key_cache, value_cache, block_table,
+                                query_start_loc, seq_lens, scale);
+#else
+  TORCH_CHECK(false, "paged_prefill_attention: this build has no x86-64 vector kernels");
+#endif
+}
+
+void paged_prefill_attention_avx2(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                                  torch::Tensor value_cache, torch::Tensor block_table,
+                                  torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale) {
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+  prefill_attention<Avx2Math>("paged_prefill_attention_avx2", out, query, key_cache, value_cache, block_table,
+                              query_start_loc, seq_lens, scale);
+#else
+  TORCH_CHECK(false, "paged_prefill_attention_avx2: this build has no x86-64 vector kernels");
 #endif
 }
 

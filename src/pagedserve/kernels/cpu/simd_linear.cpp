@@ -106,7 +106,7 @@ struct Avx2FmaMath : FmaMath<Fp32Panel> {
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
   static void block(int64_t rows, const X* xp, const float* panel, int64_t K, float* y, int64_t ldy,
                     fp32_gemm::Prefetch<Panel> pf) {
-    fp32_gemm::ymm_rows_block(rows, xp, panel, K, y, ldy, pf);
+    fp32_gemm::ymm_rows_block<true>(rows, xp, rows, panel, Fp32Panel::kStep, K, y, ldy, pf);
   }
 #endif
 };
