@@ -1,6 +1,7 @@
-// The fp32 register block shared by the AVX-512 linear layers (avx512_linear.cpp) and the prefill
-// attention (paged_prefill_attention.cpp): y[R rows, 32 columns] = x[R, K] @ panel[K, 32] on
-// AVX-512, R = 1 .. 12, in 24 zmm accumulators (two per row). In `block`, x is fp32 and the panel
+// The fp32 register blocks shared by the linear layers (simd_linear.cpp) and the prefill attention
+// (paged_prefill_attention.cpp): y[R rows, 32 columns] = x[R, K] @ panel[K, 32] on AVX-512,
+// R = 1 .. 12, in 24 zmm accumulators (two per row); on AVX2, ymm_rows_block does the same in
+// slices of up to 6 rows (ymm_block: 12 ymm accumulators, sums in the same order). In `block`, x is fp32 and the panel
 // fp32 (Fp32Panel) or bf16 (Bf16PairPanel) widened to fp32 on load: the math is fp32 either way. In
 // `pair_block`, x and the panel are both bf16 in pairs of k, each pair's two products added to the
 // sums by AVX512-BF16's dot product (twice the multiply-adds per instruction).
@@ -241,9 +242,6 @@ PAGEDSERVE_AVX512_BF16 void pair_block(const uint32_t* x, const uint16_t* panel,
   if (K == 0) zero_rows<R>(y, ldy);
 }
 
-// The AVX2 block over fp32 panels: y[r * ldy + c] = sum_k x[k * ldk + r] * panel(k, 8 j0 + c) for
-// r < R, c < 8 C, in R x C ymm accumulators (R x C = 12 at most, of 16 registers), each sum taken
-// as `block` takes it. x is a slice of rows packed by pack_rows (ldk: that packed block's rows).
 // x(r, k): x[k * ld + r] for rows packed by pack_rows (ld: that packed block's rows), else
 // x[r * ld + k] (rows as they lie).
 template <bool PackedX>

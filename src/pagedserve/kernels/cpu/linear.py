@@ -151,4 +151,3 @@ def packed_linear(kernel: PackedKernel, weight: Tensor) -> Callable[[Tensor, Ten
     linear.kernel = kernel  # type: ignore[attr-defined]
     linear.rows = rows  # type: ignore[attr-defined]
     return linear
-

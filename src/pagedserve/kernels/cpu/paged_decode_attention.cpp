@@ -381,7 +381,7 @@ PAGEDSERVE_VECTOR_ENTRIES(PAGEDSERVE_MULTIVERSION, , v16sf)
 #undef PAGEDSERVE_VECTOR_ENTRIES
 #undef PAGEDSERVE_COMMA
 
-// 0: the vector entries this CPU is best served by; 1: the AVX2 ones wherever they run (tests).
+// Whether the AVX2 vector entries run wherever they can (tests), not only where AVX-512 is missing.
 std::atomic<bool> g_force_avx2{false};
 
 // Whether the vector kernels take their F8x2 (AVX2) entries here: CPUs with AVX2 and FMA but

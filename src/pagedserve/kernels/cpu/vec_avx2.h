@@ -5,8 +5,9 @@
 // the stack: the decode attention kernel's AVX2 clone ran 4x (fp32 cache) to 6x (bf16) slower than
 // its AVX-512 clone on the same machine. F8x2 offers what the kernels use of v16sf (arithmetic,
 // loads and stores, reduce16, the horizontal max and sum, exp_nonpositive16, the bf16 even/odd
-// split, a tail fill) with the same lane order and the same results, on pairs of 32-byte vectors;
-// the kernels are written once as templates over the vector type, through Vec16.
+// split, a tail fill) with the same lane order and the same operations, on pairs of 32-byte vectors
+// (only reduce's additions run in another order: results agree to fp32 rounding); the kernels are
+// written once as templates over the vector type, through Vec16.
 #pragma once
 
 #include <algorithm>
