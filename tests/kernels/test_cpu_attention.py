@@ -30,9 +30,9 @@ def decode_vector_code(request):
     if request.param == "avx2" and not avx2_fp32_available():
         pytest.skip("this CPU has no AVX2 with FMA")
     ext = load_extension()
-    before = ext.force_avx2_decode_attention(request.param == "avx2")
+    before = ext.force_avx2_vector_code(request.param == "avx2")
     yield request.param
-    ext.force_avx2_decode_attention(before)
+    ext.force_avx2_vector_code(before)
 
 
 def run_both(specs, *, num_kv_heads, group, head_dim, block_size, window=None, dtype=torch.float32, seed=0):

@@ -56,6 +56,27 @@ def test_silu_and_mul(dtype, n, inter):
     torch.testing.assert_close(cpu.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), **TOL[dtype])
 
 
+@pytest.mark.parametrize("n,inter", [(1, 1536), (17, 48), (5, 53), (3, 7), (0, 16)])
+def test_fp32_silu_and_mul_of_the_avx2_build(n, inter):
+    """What CPUs with AVX2 but no AVX-512 run (8 lanes at a time, then one): the reference's result,
+    gates beyond exp's clamp at +-88 included, and the same values as the AVX-512 / baseline build
+    for infinities and NaN too (the same operations on every value)."""
+    ext = load_extension()
+    if not ext.avx2_kernels_available():
+        pytest.skip("this CPU has no AVX2 with FMA")
+    finite = rows(n, 2 * inter, torch.float32) * 30
+    special = finite.clone()
+    if n:
+        special[0, :4] = torch.tensor([float("-inf"), float("inf"), float("nan"), -100.0])
+    before = ext.force_avx2_vector_code(True)
+    try:
+        got, got_special = cpu.silu_and_mul(finite), cpu.silu_and_mul(special)
+    finally:
+        ext.force_avx2_vector_code(before)
+    torch.testing.assert_close(got, reference.silu_and_mul(finite), **TOL[torch.float32])
+    torch.testing.assert_close(got_special, cpu.silu_and_mul(special), rtol=0, atol=0, equal_nan=True)
+
+
 def rotary_tables(max_pos: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)

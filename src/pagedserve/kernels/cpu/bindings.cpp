@@ -8,9 +8,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window"),
         py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("fp8_lut") = py::none());
-  m.def("force_avx2_decode_attention", &force_avx2_decode_attention,
-        "Make paged_decode_attention take its AVX2 code wherever it runs (tests); returns the previous setting.",
-        py::arg("force"));
+  m.def("force_avx2_vector_code", &force_avx2_vector_code,
+        "Make paged_decode_attention and silu_and_mul take their AVX2 builds wherever they run (tests); returns the "
+        "previous setting.", py::arg("force"));
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "Prefill rows (q_len > 1) of a packed varlen batch attending causally over an fp32 or bf16 paged KV cache (query of the same dtype).",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),

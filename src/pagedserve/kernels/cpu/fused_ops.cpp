@@ -20,6 +20,7 @@
 
 #include "ops.h"
 #include "vec.h"
+#include "vec_avx2.h"
 
 namespace pagedserve {
 namespace {
@@ -163,6 +164,37 @@ PAGEDSERVE_INLINE void silu_and_mul_range(const T* gate_up, T* out, int64_t r0, 
     }
   }
 }
+
+#ifdef PAGEDSERVE_HAVE_F8X2
+// exp16 on 8 lanes, step for step, for the AVX2 build (vec_avx2.h says why v16sf is slow there).
+PAGEDSERVE_INLINE v8sf exp8(v8sf x) {
+  const v8sf hi = v8sf{} + 88.0f, lo = v8sf{} - 87.0f;
+  x = x > hi ? hi : x;
+  x = x < lo ? lo : x;
+  const v8sf t = x * 1.4426950408889634f;
+  const v8si n = __builtin_convertvector(t + (t < 0.f ? v8sf{} - 0.5f : v8sf{} + 0.5f), v8si);
+  const v8sf f = (t - __builtin_convertvector(n, v8sf)) * 0.6931471805599453f;
+  const v8sf p = 1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720 + f * (1.f / 5040)))))));
+  const v8si bits = (n + 127) << 23;
+  return p * reinterpret_cast<const v8sf&>(bits);
+}
+
+// silu_and_mul_range for fp32, 8 lanes at a time: the same operations on every value.
+__attribute__((target("arch=x86-64-v3"))) void silu_and_mul_fp32_avx2(const float* gate_up, float* out, int64_t r0,
+                                                                      int64_t r1, int64_t n) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* g = gate_up + r * 2 * n;
+    const float* u = g + n;
+    float* o = out + r * n;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const v8sf x = loadv<v8sf>(g + i);
+      storev(o + i, x / (1.f + exp8(-x)) * loadv<v8sf>(u + i));
+    }
+    for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+}
+#endif
 
 // One head of q or k: optional per-head RMS norm (weight wn, Qwen3), then the neox rotation with
 // this position's cos/sin (model dtype, head_dim values each), as core/layers/rotary.apply_rotary:
@@ -315,6 +347,9 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   torch::Tensor out = torch::empty({rows, n}, gate_up.options());
   for_rows(rows, 8, [&](int64_t r0, int64_t r1) {
     if (is_bf16(gate_up)) silu_and_mul_bf16(ptr<uint16_t>(gate_up), ptr<uint16_t>(out), r0, r1, n);
+#ifdef PAGEDSERVE_HAVE_F8X2
+    else if (use_avx2_builds()) silu_and_mul_fp32_avx2(ptr<float>(gate_up), ptr<float>(out), r0, r1, n);
+#endif
     else silu_and_mul_fp32(ptr<float>(gate_up), ptr<float>(out), r0, r1, n);
   });
   return out;

@@ -18,9 +18,9 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
                             int64_t sliding_window, c10::optional<torch::Tensor> k_scale,
                             c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> fp8_lut);
 
-// Makes paged_decode_attention take its AVX2 (F8x2) vector code on any CPU with AVX2 and FMA,
-// AVX-512 ones too (for tests); returns the previous setting.
-bool force_avx2_decode_attention(bool force);
+// Makes paged_decode_attention and silu_and_mul take their AVX2 builds (vec_avx2.h) on any CPU
+// with AVX2 and FMA, AVX-512 ones too (for tests); returns the previous setting.
+bool force_avx2_vector_code(bool force);
 
 // paged_prefill_attention.cpp
 void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,

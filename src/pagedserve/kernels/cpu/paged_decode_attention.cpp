@@ -19,7 +19,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <atomic>
 #include <limits>
 #include <vector>
 
@@ -381,16 +380,10 @@ PAGEDSERVE_VECTOR_ENTRIES(PAGEDSERVE_MULTIVERSION, , v16sf)
 #undef PAGEDSERVE_VECTOR_ENTRIES
 #undef PAGEDSERVE_COMMA
 
-// Whether the AVX2 vector entries run wherever they can (tests), not only where AVX-512 is missing.
-std::atomic<bool> g_force_avx2{false};
-
-// Whether the vector kernels take their F8x2 (AVX2) entries here: CPUs with AVX2 and FMA but
-// without AVX-512, or any CPU with AVX2 and FMA when forced.
+// Whether the vector kernels take their F8x2 (AVX2) entries here (vec_avx2.h: use_avx2_builds).
 bool avx2_vector_entries() {
 #ifdef PAGEDSERVE_HAVE_F8X2
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  return avx2 && (!avx512 || g_force_avx2.load(std::memory_order_relaxed));
+  return use_avx2_builds();
 #else
   return false;
 #endif
@@ -483,7 +476,13 @@ std::vector<int64_t> balance(const std::vector<WorkItem>& items, int64_t threads
 
 }  // namespace
 
-bool force_avx2_decode_attention(bool force) { return g_force_avx2.exchange(force); }
+bool force_avx2_vector_code(bool force) {
+#ifdef PAGEDSERVE_HAVE_F8X2
+  return avx2_builds_forced().exchange(force);
+#else
+  return false;
+#endif
+}
 
 // Writes out[row] for every sequence whose query_start_loc span is exactly one row; rows of
 // longer spans (prefill chunks) are left untouched for the caller. sliding_window <= 0: none.

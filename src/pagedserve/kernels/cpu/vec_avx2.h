@@ -11,6 +11,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "vec.h"
@@ -67,6 +68,20 @@ PAGEDSERVE_INLINE F8x2 operator*(F8x2 a, F8x2 b) { return {a.lo * b.lo, a.hi * b
 PAGEDSERVE_INLINE F8x2 operator*(F8x2 a, float s) { return {a.lo * s, a.hi * s}; }
 PAGEDSERVE_INLINE F8x2 operator-(F8x2 a, float s) { return {a.lo - s, a.hi - s}; }
 PAGEDSERVE_INLINE F8x2& operator+=(F8x2& a, F8x2 b) { return a = a + b; }
+
+// Whether the kernels' AVX2 builds run wherever they can (force_avx2_vector_code, for tests), not
+// only on CPUs with AVX2 and FMA but no AVX-512.
+inline std::atomic<bool>& avx2_builds_forced() {
+  static std::atomic<bool> forced{false};
+  return forced;
+}
+
+// Whether the kernels take their AVX2 builds (over F8x2 / v8sf) here.
+inline bool use_avx2_builds() {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  return avx2 && (!avx512 || avx2_builds_forced().load(std::memory_order_relaxed));
+}
 
 template <>
 struct Vec16<F8x2> {
