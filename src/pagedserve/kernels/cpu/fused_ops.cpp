@@ -126,18 +126,22 @@ PAGEDSERVE_INLINE void rms_norm_range(const T* x, const T* w, T* out, int64_t r0
 }
 
 // e^x for any float x (clamped to [-87, 88], where it under/overflows anyway); n = round(x / ln2)
-// by truncating t -/+ 1/2 by the sign of t.
-PAGEDSERVE_INLINE v16sf exp16(v16sf x) {
-  const v16sf hi = v16sf{} + 88.0f, lo = v16sf{} - 87.0f;
+// by truncating t -/+ 1/2 by the sign of t. On every lane of VF (VI: the int32 vector of as many
+// lanes): v16sf here, v8sf in the AVX2 build of silu_and_mul.
+template <class VF, class VI>
+PAGEDSERVE_INLINE VF exp_lanes(VF x) {
+  const VF hi = VF{} + 88.0f, lo = VF{} - 87.0f;
   x = x > hi ? hi : x;
   x = x < lo ? lo : x;
-  const v16sf t = x * 1.4426950408889634f;
-  const v16si n = __builtin_convertvector(t + (t < 0.f ? v16sf{} - 0.5f : v16sf{} + 0.5f), v16si);
-  const v16sf f = (t - __builtin_convertvector(n, v16sf)) * 0.6931471805599453f;
-  const v16sf p = 1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720 + f * (1.f / 5040)))))));
-  const v16si bits = (n + 127) << 23;
-  return p * reinterpret_cast<const v16sf&>(bits);
+  const VF t = x * 1.4426950408889634f;
+  const VI n = __builtin_convertvector(t + (t < 0.f ? VF{} - 0.5f : VF{} + 0.5f), VI);
+  const VF f = (t - __builtin_convertvector(n, VF)) * 0.6931471805599453f;
+  const VF p = 1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720 + f * (1.f / 5040)))))));
+  const VI bits = (n + 127) << 23;
+  return p * reinterpret_cast<const VF&>(bits);
 }
+
+PAGEDSERVE_INLINE v16sf exp16(v16sf x) { return exp_lanes<v16sf, v16si>(x); }
 
 // silu(g) = g / (1 + e^-g), rounded to the model dtype, times up (rounded again): F.silu(gate) * up.
 template <typename T>
@@ -166,20 +170,8 @@ PAGEDSERVE_INLINE void silu_and_mul_range(const T* gate_up, T* out, int64_t r0, 
 }
 
 #ifdef PAGEDSERVE_HAVE_F8X2
-// exp16 on 8 lanes, step for step, for the AVX2 build (vec_avx2.h says why v16sf is slow there).
-PAGEDSERVE_INLINE v8sf exp8(v8sf x) {
-  const v8sf hi = v8sf{} + 88.0f, lo = v8sf{} - 87.0f;
-  x = x > hi ? hi : x;
-  x = x < lo ? lo : x;
-  const v8sf t = x * 1.4426950408889634f;
-  const v8si n = __builtin_convertvector(t + (t < 0.f ? v8sf{} - 0.5f : v8sf{} + 0.5f), v8si);
-  const v8sf f = (t - __builtin_convertvector(n, v8sf)) * 0.6931471805599453f;
-  const v8sf p = 1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720 + f * (1.f / 5040)))))));
-  const v8si bits = (n + 127) << 23;
-  return p * reinterpret_cast<const v8sf&>(bits);
-}
-
-// silu_and_mul_range for fp32, 8 lanes at a time: the same operations on every value.
+// silu_and_mul_range for fp32, 8 lanes at a time: the same operations on every value (v8sf, not
+// v16sf: vec_avx2.h says why v16sf is slow in an AVX2 build).
 __attribute__((target("arch=x86-64-v3"))) void silu_and_mul_fp32_avx2(const float* gate_up, float* out, int64_t r0,
                                                                       int64_t r1, int64_t n) {
   for (int64_t r = r0; r < r1; ++r) {
@@ -189,7 +181,7 @@ __attribute__((target("arch=x86-64-v3"))) void silu_and_mul_fp32_avx2(const floa
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
       const v8sf x = loadv<v8sf>(g + i);
-      storev(o + i, x / (1.f + exp8(-x)) * loadv<v8sf>(u + i));
+      storev(o + i, x / (1.f + exp_lanes<v8sf, v8si>(-x)) * loadv<v8sf>(u + i));
     }
     for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
   }

@@ -60,14 +60,21 @@ PAGEDSERVE_INLINE v16sf bf16x16_to_float(const uint16_t* p) {
   return reinterpret_cast<const v16sf&>(wide);
 }
 
-// 32 bf16 values from one 64-byte load as fp32, split into the even ones (x << 16) and the odd
-// ones (x & 0xffff0000), both exact: two instructions where widening 16 values in order takes a
-// shuffle. For loops that do not mind the order (elementwise, sums, or a matching order kept).
+// bf16 values in pairs (32-bit lane i: values 2i and 2i + 1) as fp32, split into the even ones
+// (x << 16) and the odd ones (x & 0xffff0000), both exact; VU: unsigned 32-bit lanes, VF: the
+// float vector of as many lanes.
+template <class VU, class VF>
+PAGEDSERVE_INLINE void bf16_pairs_to_float(VU x, VF& even, VF& odd) {
+  const VU lo = x << 16, hi = x & 0xffff0000u;
+  even = reinterpret_cast<const VF&>(lo);
+  odd = reinterpret_cast<const VF&>(hi);
+}
+
+// 32 bf16 values from one 64-byte load so: two instructions where widening 16 values in order
+// takes a shuffle. For loops that do not mind the order (elementwise, sums, or a matching order
+// kept).
 PAGEDSERVE_INLINE void bf16x32_to_float_even_odd(const uint16_t* p, v16sf& even, v16sf& odd) {
-  const v16su x = loadv<v16su>(p);
-  const v16su lo = x << 16, hi = x & 0xffff0000u;
-  even = reinterpret_cast<const v16sf&>(lo);
-  odd = reinterpret_cast<const v16sf&>(hi);
+  bf16_pairs_to_float(loadv<v16su>(p), even, odd);
 }
 
 // Round to nearest even on 16 lanes; the vector twin of float_to_bf16 (NaN stays NaN).
@@ -104,18 +111,22 @@ PAGEDSERVE_INLINE float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// The same on 16 lanes. n comes from truncating t - 1/2, which rounds for t <= 0 (the kernels
+// The same on every lane of a float vector VF (VI: the int32 vector of as many lanes; 16 lanes
+// below, 8 in vec_avx2.h). n comes from truncating t - 1/2, which rounds for t <= 0 (the kernels
 // build with -fassociative-math, which would fold the usual (t + 1.5 * 2^23) - 1.5 * 2^23).
-PAGEDSERVE_INLINE v16sf exp_nonpositive16(v16sf x) {
-  const v16sf lo = v16sf{} - 87.0f;
+template <class VF, class VI>
+PAGEDSERVE_INLINE VF exp_nonpositive_lanes(VF x) {
+  const VF lo = VF{} - 87.0f;
   x = x < lo ? lo : x;
-  const v16sf t = x * 1.4426950408889634f;
-  const v16si n = __builtin_convertvector(t - 0.5f, v16si);
-  const v16sf f = (t - __builtin_convertvector(n, v16sf)) * 0.6931471805599453f;
-  const v16sf p = 1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720 + f * (1.f / 5040)))))));
-  const v16si bits = (n + 127) << 23;
-  return p * reinterpret_cast<const v16sf&>(bits);
+  const VF t = x * 1.4426950408889634f;
+  const VI n = __builtin_convertvector(t - 0.5f, VI);
+  const VF f = (t - __builtin_convertvector(n, VF)) * 0.6931471805599453f;
+  const VF p = 1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720 + f * (1.f / 5040)))))));
+  const VI bits = (n + 127) << 23;
+  return p * reinterpret_cast<const VF&>(bits);
 }
+
+PAGEDSERVE_INLINE v16sf exp_nonpositive16(v16sf x) { return exp_nonpositive_lanes<v16sf, v16si>(x); }
 
 // Lane i of the result is the sum of the 16 lanes of a[i]. A transpose-and-add tree: each level
 // halves the partial sums per vector and doubles the vectors per register (after level 1, b[i]

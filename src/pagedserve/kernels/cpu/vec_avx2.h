@@ -132,24 +132,13 @@ struct Vec16<F8x2> {
     for (int i = 0; i < 8; ++i) s += v.hi[i];
     return s;
   }
-  // exp_nonpositive16, step for step, on 8 lanes.
-  static PAGEDSERVE_INLINE v8sf exp8(v8sf x) {
-    const v8sf lo = v8sf{} - 87.0f;
-    x = x < lo ? lo : x;
-    const v8sf t = x * 1.4426950408889634f;
-    const v8si n = __builtin_convertvector(t - 0.5f, v8si);
-    const v8sf f = (t - __builtin_convertvector(n, v8sf)) * 0.6931471805599453f;
-    const v8sf p = 1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720 + f * (1.f / 5040)))))));
-    const v8si bits = (n + 127) << 23;
-    return p * reinterpret_cast<const v8sf&>(bits);
+  static PAGEDSERVE_INLINE F8x2 exp(F8x2 x) {
+    return {exp_nonpositive_lanes<v8sf, v8si>(x.lo), exp_nonpositive_lanes<v8sf, v8si>(x.hi)};
   }
-  static PAGEDSERVE_INLINE F8x2 exp(F8x2 x) { return {exp8(x.lo), exp8(x.hi)}; }
   // bf16x32_to_float_even_odd: values 0, 2, .., 30 and 1, 3, .., 31 of 32 bf16 values.
   static PAGEDSERVE_INLINE void bf16_even_odd(const uint16_t* p, F8x2& even, F8x2& odd) {
-    const v8su a = loadv<v8su>(p), b = loadv<v8su>(p + 16);
-    const v8su ea = a << 16, eb = b << 16, oa = a & 0xffff0000u, ob = b & 0xffff0000u;
-    even = {reinterpret_cast<const v8sf&>(ea), reinterpret_cast<const v8sf&>(eb)};
-    odd = {reinterpret_cast<const v8sf&>(oa), reinterpret_cast<const v8sf&>(ob)};
+    bf16_pairs_to_float(loadv<v8su>(p), even.lo, odd.lo);
+    bf16_pairs_to_float(loadv<v8su>(p + 16), even.hi, odd.hi);
   }
 };
 
