@@ -11,6 +11,8 @@
 // rows, elsewhere in the pool, are prefetched a few lines per position. Measured on a 2-core AMX
 // Xeon, SmolLM2's 30 layers at 56 sequences of ~420 bf16 tokens: 49.0 ms per decode step with
 // one head per pass, 16-position steps and a burst prefetch per block; 35.2 ms now.
+// On a 2-core AVX-512 Xeon without AMX, the same step took 39.2 ms until Vec16's splat, tail
+// fill and horizontal max / sum compiled to vector code (vec_avx2.h, vec.h); 31.7 ms since.
 //
 // Work items are (sequence, position range): with fewer sequences than threads x 4, long contexts
 // are split and the parts merged by log-sum-exp, so batch-1 decode uses every core. Items are

@@ -26,6 +26,9 @@ typedef float v16sf __attribute__((vector_size(64)));
 typedef int32_t v16si __attribute__((vector_size(64)));
 typedef uint32_t v16su __attribute__((vector_size(64)));
 typedef uint16_t v16hu __attribute__((vector_size(32)));
+typedef float v8sf __attribute__((vector_size(32)));
+typedef float v4sf __attribute__((vector_size(16)));
+typedef float v2sf __attribute__((vector_size(8)));
 
 template <typename V>
 PAGEDSERVE_INLINE V loadv(const void* p) {
@@ -147,16 +150,25 @@ PAGEDSERVE_INLINE v16sf reduce16(const v16sf* a) {
          __builtin_shufflevector(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
-PAGEDSERVE_INLINE float hsum16(v16sf v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
+// Horizontal sums and maxima as trees (the halves combined, 8 + 4 + 2 + 1 lanes): four dependent
+// operations where a lane-by-lane loop makes a chain of sixteen (the decode kernel's softmax takes
+// one of each per query head and chunk of 32 positions). Vec16<F8x2> (vec_avx2.h) combines its two halves first and
+// then takes the same fold8, so both builds sum in the same order.
+template <class Op>
+PAGEDSERVE_INLINE float fold8(v8sf v, Op op) {
+  const v4sf a = op(__builtin_shufflevector(v, v, 0, 1, 2, 3), __builtin_shufflevector(v, v, 4, 5, 6, 7));
+  const v2sf b = op(__builtin_shufflevector(a, a, 0, 1), __builtin_shufflevector(a, a, 2, 3));
+  return op(b, __builtin_shufflevector(b, b, 1, 0))[0];
 }
 
-PAGEDSERVE_INLINE float hmax16(v16sf v) {
-  float m = v[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
-  return m;
-}
+PAGEDSERVE_INLINE v8sf low8(v16sf v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
+PAGEDSERVE_INLINE v8sf high8(v16sf v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
+
+constexpr auto kAddLanes = [](auto a, auto b) { return a + b; };
+constexpr auto kMaxLanes = [](auto a, auto b) { return a > b ? a : b; };
+
+PAGEDSERVE_INLINE float hsum16(v16sf v) { return fold8(low8(v) + high8(v), kAddLanes); }
+
+PAGEDSERVE_INLINE float hmax16(v16sf v) { return fold8(kMaxLanes(low8(v), high8(v)), kMaxLanes); }
 
 }  // namespace pagedserve

@@ -26,15 +26,20 @@ struct Vec16;
 template <>
 struct Vec16<v16sf> {
   static PAGEDSERVE_INLINE v16sf zero() { return v16sf{}; }
-  static PAGEDSERVE_INLINE v16sf splat(float x) { return v16sf{} + x; }
+  // A broadcast written as a shuffle: GCC 12 built `v16sf{} + x` in the decode kernel's V loop
+  // (one score per query head and position) lane by lane, from 16 masked loads.
+  static PAGEDSERVE_INLINE v16sf splat(float x) {
+    const v16sf one = {x};
+    return __builtin_shufflevector(one, one, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  }
   static PAGEDSERVE_INLINE v16sf load(const float* p) { return loadv<v16sf>(p); }
   static PAGEDSERVE_INLINE void store(float* p, v16sf v) { storev(p, v); }
   static PAGEDSERVE_INLINE v16sf fmadd(v16sf a, v16sf b, v16sf c) { return a * b + c; }
   static PAGEDSERVE_INLINE v16sf max(v16sf a, v16sf b) { return a > b ? a : b; }
   // Lanes [from, 16) replaced by x.
   static PAGEDSERVE_INLINE v16sf fill_from(v16sf v, int64_t from, float x) {
-    for (int64_t t = from; t < 16; ++t) v[t] = x;
-    return v;
+    const v16si index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    return index >= static_cast<int32_t>(from) ? splat(x) : v;  // a lane loop compiled to memset
   }
   static PAGEDSERVE_INLINE v16sf reduce(const v16sf* a) { return reduce16(a); }
   static PAGEDSERVE_INLINE float hmax(v16sf v) { return hmax16(v); }
@@ -52,9 +57,8 @@ struct Vec16<v16sf> {
 
 namespace pagedserve {
 
-// 32-byte generic vectors: one AVX2 register each, which GCC compiles well for AVX2 (and, with
+// 32-byte generic vectors (v8sf: vec.h): one AVX2 register each, which GCC compiles well for AVX2 (and, with
 // no target attribute needed, they inline into the AVX2-built entries from shared templates).
-typedef float v8sf __attribute__((vector_size(32)));
 typedef int32_t v8si __attribute__((vector_size(32)));
 typedef uint32_t v8su __attribute__((vector_size(32)));
 
@@ -119,19 +123,9 @@ struct Vec16<F8x2> {
     for (int i = 0; i < 16; ++i) b[i] = a[i].lo + a[i].hi;
     return {sums8(b), sums8(b + 8)};
   }
-  // hmax16 and hsum16: lane by lane, in lane order.
-  static PAGEDSERVE_INLINE float hmax(F8x2 v) {
-    float m = v.lo[0];
-    for (int i = 1; i < 8; ++i) m = std::max(m, v.lo[i]);
-    for (int i = 0; i < 8; ++i) m = std::max(m, v.hi[i]);
-    return m;
-  }
-  static PAGEDSERVE_INLINE float hsum(F8x2 v) {
-    float s = 0.f;
-    for (int i = 0; i < 8; ++i) s += v.lo[i];
-    for (int i = 0; i < 8; ++i) s += v.hi[i];
-    return s;
-  }
+  // hmax16 and hsum16's order: the halves combined, then fold8.
+  static PAGEDSERVE_INLINE float hmax(F8x2 v) { return fold8(kMaxLanes(v.lo, v.hi), kMaxLanes); }
+  static PAGEDSERVE_INLINE float hsum(F8x2 v) { return fold8(v.lo + v.hi, kAddLanes); }
   static PAGEDSERVE_INLINE F8x2 exp(F8x2 x) {
     return {exp_nonpositive_lanes<v8sf, v8si>(x.lo), exp_nonpositive_lanes<v8sf, v8si>(x.hi)};
   }
