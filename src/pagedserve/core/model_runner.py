@@ -27,7 +27,7 @@ class ModelRunner:
         assert kv_spec.block_size == block_size, f"kv_spec.block_size={kv_spec.block_size} != {block_size}"
         self.kv_spec = kv_spec
         self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, self.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(getattr(model.kernels, "argmax_rows", None))
 
     def prepare(self, out: SchedulerOutput) -> ForwardBatch:
         reqs = out.requests

@@ -29,6 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_kv_heads"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("eps") = 0.0);
   m.def("store_kv", &store_kv, "key_cache[slot] = key, value_cache[slot] = value for float caches.",
         py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"));
+  m.def("argmax_rows", &argmax_rows, "Row-wise argmax of fp32 logits (torch.max(dim=-1).indices).",
+        py::arg("logits"));
   m.def("amx_linear_available", &amx_linear_available, "Whether this CPU and process can run amx_linear.");
   m.def("amx_pack_weight", &amx_pack_weight, "A bf16 [out, in] weight in amx_linear's tile layout.",
         py::arg("weight"));

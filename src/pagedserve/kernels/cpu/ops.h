@@ -41,6 +41,9 @@ std::vector<torch::Tensor> rotary_qkv(torch::Tensor qkv, torch::Tensor positions
 void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
               torch::Tensor slot_mapping);
 
+// argmax_rows.cpp
+torch::Tensor argmax_rows(torch::Tensor logits);
+
 // amx_linear.cpp
 bool amx_linear_available();
 torch::Tensor amx_pack_weight(torch::Tensor weight);
