@@ -25,6 +25,7 @@ from torch import Tensor
 
 from pagedserve.core.outputs import TokenLogprobs
 from pagedserve.core.sampling_params import SamplingParams
+from pagedserve.kernels.reference.sampling import argmax_rows as reference_argmax_rows
 
 _TOP_P_CANDIDATES = 1024
 """Top-p without top-k first looks for the nucleus among this many most likely tokens."""
@@ -123,10 +124,9 @@ class _SampleCache:
 
 class Sampler:
     def __init__(self, argmax_rows: Callable[[Tensor], Tensor] | None = None) -> None:
-        """argmax_rows: the kernel backend's row-wise argmax, as defined in
-        kernels/reference/sampling.py (the first of equal maxima, a row's first NaN); None: torch's
-        max(dim)."""
-        self._argmax = argmax_rows or _argmax
+        """argmax_rows: the kernel backend's row-wise argmax (the first of equal maxima, a row's
+        first NaN); None: the reference's, torch's max(dim)."""
+        self._argmax = argmax_rows or reference_argmax_rows
         self._cache: dict[Hashable, _SampleCache] = {}
         """seq_id -> the sample's cache; dropped by `forget` when the scheduler reports it finished."""
 
@@ -226,12 +226,6 @@ class Sampler:
             idx = torch.tensor(unseeded, device=device)
             noise[idx] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_()
         return self._argmax(probs / noise)
-
-
-def _argmax(x: Tensor) -> Tensor:
-    """Row-wise argmax (the first of equal maxima, as argmax), as kernels/reference/sampling.py's
-    argmax_rows: through max(dim), faster than argmax on CPU."""
-    return x.max(dim=-1).indices
 
 
 def _logprobs(raw: Tensor, token_ids: list[int], params: list[SamplingParams]) -> list[TokenLogprobs | None]:
