@@ -45,16 +45,15 @@ __attribute__((target_clones("arch=x86-64-v4", "default"))) int64_t argmax_row(c
   for (int l = 0; l < 16; ++l) {
     if (nan[l] != 0) return argmax_scalar(x, n);
   }
-  const float top = hmax16(best);
+  float top = hmax16(best);
   int64_t index = std::numeric_limits<int64_t>::max();
   for (int l = 0; l < 16; ++l) {
     if (best[l] == top) index = std::min<int64_t>(index, where[l]);
   }
-  float value = top;
   for (; i < n; ++i) {  // the tail comes after every lane's values: only a strictly larger one wins
     if (std::isnan(x[i])) return i;
-    if (x[i] > value) {
-      value = x[i];
+    if (x[i] > top) {
+      top = x[i];
       index = i;
     }
   }
