@@ -12,14 +12,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_without_vllm_reports_pagedserve_and_no_ratio(tiny_model_dir, tmp_path):
+def run_peer_bench(tiny_model_dir, tmp_path, *extra: str) -> subprocess.CompletedProcess:
     workload = tmp_path / "w.json"
     workload.write_text(json.dumps({"requests": [{"prompt_ids": [5, 9, 33, 2, 71], "max_new_tokens": 6},
                                                  {"prompt_ids": list(range(40, 70)), "max_new_tokens": 3}]}))
-    out = subprocess.run(  # as the docs run it: a module, from the checkout root
+    return subprocess.run(  # as the docs run it: a module, from the checkout root
         [sys.executable, "-m", "bench.vllm_peer", "--model", str(tiny_model_dir("llama")),
-         "--dtype", "float32", "--workload", str(workload), "--venv", str(tmp_path / "no-venv"), "--no-install"],
+         "--dtype", "float32", "--workload", str(workload), "--venv", str(tmp_path / "no-venv"), "--no-install",
+         *extra],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_without_vllm_reports_pagedserve_and_no_ratio(tiny_model_dir, tmp_path):
+    out = run_peer_bench(tiny_model_dir, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     ours = next(line for line in lines if line.startswith("[pagedserve]"))
@@ -28,6 +33,24 @@ def test_without_vllm_reports_pagedserve_and_no_ratio(tiny_model_dir, tmp_path):
     assert "without --no-install" in out.stdout  # says why there is no peer and how to get one
     assert lines[-1].startswith("ratio pagedserve/vllm (float32): not measured here")
     assert "from another host" in lines[-1]
+
+
+def test_rounds_run_each_side_again_and_say_what_is_compared(tiny_model_dir, tmp_path):
+    out = run_peer_bench(tiny_model_dir, tmp_path, "--rounds", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    runs = [line for line in lines if line.startswith("[pagedserve]")]
+    assert len(runs) == 2 and all("(9 useful output tokens)" in line for line in runs)
+    walls = [float(line.split("wall ")[1].split("s,")[0]) for line in runs]
+    summary = next(line for line in lines if line.startswith("[rounds] pagedserve:"))
+    assert summary.startswith(f"[rounds] pagedserve: wall {walls[0]:.2f}, {walls[1]:.2f} s")
+    assert lines[-1].startswith("ratio pagedserve/vllm (float32): not measured here")
+
+
+def test_rounds_must_be_positive(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "bench.vllm_peer", "--rounds", "0"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 2 and "--rounds must be at least 1, got 0" in out.stderr
 
 
 def test_tree_rss_counts_children():
