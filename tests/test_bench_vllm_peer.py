@@ -47,7 +47,7 @@ def test_rounds_run_each_side_again_and_say_what_is_compared(tiny_model_dir, tmp
     assert lines[-1].startswith("ratio pagedserve/vllm (float32): not measured here")
 
 
-def test_rounds_must_be_positive(tmp_path):
+def test_rounds_must_be_positive():
     out = subprocess.run([sys.executable, "-m", "bench.vllm_peer", "--rounds", "0"], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
     assert out.returncode == 2 and "--rounds must be at least 1, got 0" in out.stderr
