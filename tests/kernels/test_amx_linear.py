@@ -1,6 +1,8 @@
-"""The AMX bf16 linear kernel (kernels/cpu/amx_linear.cpp) against torch's fp32 matmul of the same
-bf16 values: both accumulate in fp32 and round once to bf16, so they agree to one bf16 step.
-Runs where the CPU has AMX (Sapphire Rapids and later); elsewhere prepack_linear must decline."""
+"""The AMX bf16 linear kernel (kernels/cpu/amx_linear.cpp) against the exact product of the same
+bf16 values: it accumulates in fp32 (tdpbf16ps, 32-value slices) and rounds once to bf16, so every
+output is the exact product rounded to bf16 but where the fp32 sum's error reaches a rounding
+midpoint (tests/kernels/linear_oracle.py). Runs where the CPU has AMX (Sapphire Rapids and later);
+elsewhere prepack_linear must decline."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import torch.nn.functional as F
 from pagedserve.core.layers.linear import Linear
 from pagedserve.kernels.cpu.build import load_extension
 from pagedserve.kernels.cpu.linear import amx_available, prepack_linear
+
+from tests.kernels.linear_oracle import assert_bf16_rounded_once
 
 needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU has no AMX bf16 (prepack_linear declines)")
 
@@ -35,10 +39,7 @@ def test_amx_linear_matches_fp32_matmul(rows, out_features, in_features, with_bi
     assert linear is not None
     got = linear(x, bias)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
-    want = oracle(x, w, bias)
-    # Rounded once to bf16 (at most half a step, 2^-9 relative) from an fp32 sum taken in another
-    # order than torch's (the small absolute term).
-    assert ((got.float() - want).abs() <= want.abs() * 2 ** -8 + 2e-2).all()
+    assert_bf16_rounded_once(got, x, w, bias)
 
 
 @needs_amx
@@ -47,7 +48,7 @@ def test_non_contiguous_input_and_zero_rows():
     linear = prepack_linear(w)
     wide = bf16(5, 128, seed=5)
     x = wide[:, ::2]  # a strided view: the kernel takes a contiguous copy
-    torch.testing.assert_close(linear(x, None).float(), oracle(x, w, None), rtol=8e-3, atol=2e-2)
+    assert_bf16_rounded_once(linear(x, None), x, w, None)
     assert linear(torch.empty(0, 64, dtype=torch.bfloat16), None).shape == (0, 64)
 
 
@@ -58,7 +59,7 @@ def test_linear_keeps_only_the_packed_copy():
     assert layer.kernel is not None and layer.weight is None and layer.packed is None
     assert layer.kernel.packed.numel() == w.numel()
     x = bf16(3, 32, seed=7)
-    torch.testing.assert_close(layer(x).float(), oracle(x, w, None), rtol=8e-3, atol=2e-2)
+    assert_bf16_rounded_once(layer(x), x, w, None)
 
 
 @pytest.mark.parametrize("shape,dtype", [((200, 96), torch.bfloat16), ((64, 47), torch.bfloat16),
