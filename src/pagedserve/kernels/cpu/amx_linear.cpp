@@ -27,6 +27,7 @@
 #include <cstring>
 
 #include "huge_pages.h"
+#include "isa.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -157,7 +158,7 @@ void check_bf16_matrix(const torch::Tensor& t, const char* name) {
 
 bool amx_linear_available() {
 #ifdef PAGEDSERVE_HAVE_AMX
-  static const bool ok = cpu_has_amx_bf16() && request_amx_permission();
+  static const bool ok = isa_allowed(Isa::kAmx) && cpu_has_amx_bf16() && request_amx_permission();
   return ok;
 #else
   return false;
@@ -209,11 +210,15 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   torch::Tensor y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
 #ifdef PAGEDSERVE_HAVE_AMX
-  // The rows of the last 16-row tile, zero-padded to 16, when M is not a multiple of 16.
-  const int64_t tail_row0 = (M % kTile == 0) ? M : M - M % kTile;
-  std::vector<uint16_t> tail(static_cast<size_t>(kTile * K), 0);
+  // The rows of the last 16-row tile, zero-padded to 16, when M is not a multiple of 16 (no copy,
+  // and no allocation on this per-projection path, when it is: rows_at never reads the tail then).
+  const int64_t tail_row0 = M - M % kTile;
+  std::vector<uint16_t> tail;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  if (tail_row0 < M) std::memcpy(tail.data(), xp + tail_row0 * K, (M - tail_row0) * K * sizeof(uint16_t));
+  if (tail_row0 < M) {
+    tail.assign(static_cast<size_t>(kTile * K), 0);
+    std::memcpy(tail.data(), xp + tail_row0 * K, (M - tail_row0) * K * sizeof(uint16_t));
+  }
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   at::parallel_for(0, N / kGroup, 1, [&](int64_t g0, int64_t g1) {
