@@ -120,7 +120,7 @@ def tune_vs_defaults(args, prompts, output_lens) -> int:
     slo = Slo(args.ttft_p95)
     print(f"[tune] {len(items)} requests at {args.arrival_rate}/s (Poisson) over {items[-1].arrival_time:.1f}s; "
           f"SLO TTFT p95 <= {args.ttft_p95}s; trial 0 = shipped defaults", flush=True)
-    trials = tune(base, items, slo, args.max_trials, progress=True)
+    _, trials = tune(base, items, slo, args.max_trials, progress=True)
     best = best_trial(trials)
     print(format_table(trials, best))
     defaults = trials[0]

@@ -1,6 +1,6 @@
 """`pagedserve tune`: the engine settings with the best throughput that still meet a latency SLO.
 
-    pagedserve tune --workload FILE --ttft-p95 SECONDS [--itl-p95 SECONDS] [--arrival-rate R]
+    pagedserve tune --workload FILE --ttft-p95 LIMIT [--itl-p95 LIMIT] [--arrival-rate R]
                     [--max-trials 8] [--output tuned-engine.json] [--plot tune.png] [engine flags]
 
 Each trial builds an engine with one setting, replays the workload in-process (core/replay.py) and
@@ -12,6 +12,11 @@ spent. Score: a setting that meets the SLO beats one that does not; among those 
 throughput wins; among those that do not, the smaller overshoot wins (so the search walks toward
 the SLO). That is the standard advice ("raise batch limits until throughput peaks without TTFT
 passing your limit") done for you, without a full grid.
+
+A LIMIT is seconds (`0.5`) or a fraction of what the starting setting measures in the same run
+(`0.25x`: a quarter of the start's TTFT p95). A relative limit asks "this much better than what I
+run now" and, since the start and every other setting are measured minutes apart at most on the
+same host, means the same on a fast machine and a slow one.
 
 Writes the best setting that meets the SLO as a flat engine.json (loadable by --engine-config and
 by the Triton model's engine.json) and, with matplotlib installed (`pip install pagedserve[tune]`),
@@ -191,21 +196,73 @@ def make_measure(base: EngineConfig, items, warmup: bool = True) -> Callable[[di
     return measure
 
 
-def tune(base: EngineConfig, items, slo: Slo, max_trials: int, progress: bool = False) -> list[Trial]:
+@dataclass(frozen=True)
+class Limit:
+    """One SLO limit: seconds, or (relative) a fraction of the start setting's own measurement."""
+
+    value: float
+    relative: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> Limit:
+        relative = text.strip().lower().endswith("x")
+        number = text.strip()[:-1] if relative else text
+        try:
+            value = float(number)
+        except ValueError:
+            raise ValueError(f"{text!r} is neither seconds (0.5) nor a fraction of the start's (0.25x)") from None
+        if not value > 0:
+            raise ValueError(f"{text!r} must be > 0")
+        return cls(value, relative)
+
+    def seconds(self, start_measured: float) -> float:
+        return self.value * start_measured if self.relative else self.value
+
+    def __str__(self) -> str:
+        return f"{self.value:g}x the start's" if self.relative else f"{self.value:g}s"
+
+
+def tune(base: EngineConfig, items, slo: Slo | tuple[Limit, Limit | None], max_trials: int,
+         progress: bool = False) -> tuple[Slo, list[Trial]]:
+    """Search from `base`'s settings; a (ttft, itl) pair of Limits becomes the Slo once the start
+    is measured (its first trial, so it is not measured twice). Returns the Slo and the trials."""
     start = {k: base.to_dict()[k] for k in LADDERS}
     on_trial = None
     if progress:
         print(f"trials as they finish:\n{TABLE_HEAD}", file=sys.stderr, flush=True)
         on_trial = lambda i, t: print(format_row(i, t), file=sys.stderr, flush=True)  # noqa: E731
-    return search(make_measure(base, items), start, slo, max_trials, on_trial=on_trial)
+    measure = make_measure(base, items)
+    if not isinstance(slo, Slo):
+        ttft, itl = slo
+        first = measure(start)
+        slo = Slo(ttft.seconds(first.ttft_p95_s), None if itl is None else itl.seconds(first.itl_p95_s))
+        if progress:
+            print(f"start measured: TTFT p95 {first.ttft_p95_s:.4g}s, ITL p95 {first.itl_p95_s:.4g}s; SLO TTFT p95 <= "
+                  f"{slo.ttft_p95_s:.4g}s" + (f", ITL p95 <= {slo.itl_p95_s:.4g}s" if slo.itl_p95_s else ""),
+                  file=sys.stderr, flush=True)
+        measure = _first_call_answered(measure, start, first)
+    return slo, search(measure, start, slo, max_trials, on_trial=on_trial)
+
+
+def _first_call_answered(measure, settings: dict[str, Any], result: ReplayResult):
+    pending = [(settings, result)]
+
+    def answer(asked: dict[str, Any]) -> ReplayResult:
+        if pending and pending[0][0] == asked:
+            return pending.pop()[1]
+        return measure(asked)
+
+    return answer
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedserve tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", required=True, help="JSONL of arrival_time/prompt_tokens/output_tokens "
                    "(what --record-workload writes) or the reference {'requests': [...]} JSON")
-    p.add_argument("--ttft-p95", type=float, required=True, help="TTFT p95 limit, seconds")
-    p.add_argument("--itl-p95", type=float, default=None, help="inter-token latency p95 limit, seconds")
+    p.add_argument("--ttft-p95", required=True,
+                   help="TTFT p95 limit: seconds (0.5), or a fraction of the starting setting's, measured in the "
+                        "same run (0.25x)")
+    p.add_argument("--itl-p95", default=None, help="inter-token latency p95 limit, seconds or a fraction (0.5x)")
     p.add_argument("--arrival-rate", type=float, default=None,
                    help="requests/s (Poisson, seeded); replaces the file's arrival times")
     p.add_argument("--max-trials", type=int, default=8, help="settings to try at most (default 8)")
@@ -224,10 +281,16 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    for name in ("ttft_p95", "itl_p95", "arrival_rate"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            print(f"pagedserve tune: error: --{name.replace('_', '-')} must be > 0 (got {value})", file=sys.stderr)
+    if args.arrival_rate is not None and args.arrival_rate <= 0:
+        print(f"pagedserve tune: error: --arrival-rate must be > 0 (got {args.arrival_rate})", file=sys.stderr)
+        return 2
+    limits = []
+    for name in ("ttft_p95", "itl_p95"):
+        text = getattr(args, name)
+        try:
+            limits.append(None if text is None else Limit.parse(text))
+        except ValueError as exc:
+            print(f"pagedserve tune: error: --{name.replace('_', '-')}: {exc}", file=sys.stderr)
             return 2
     if args.max_trials < 1:
         print("pagedserve tune: error: --max-trials must be at least 1", file=sys.stderr)
@@ -235,10 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         base = engine_config_from_args(args)
         items = load_workload(args.workload, args.arrival_rate)
-        slo = Slo(args.ttft_p95, args.itl_p95)
+        ttft, itl = limits
         print(f"workload {args.workload}: {len(items)} requests over {items[-1].arrival_time:.1f}s; SLO TTFT p95 <= "
-              f"{slo.ttft_p95_s:g}s" + (f", ITL p95 <= {slo.itl_p95_s:g}s" if slo.itl_p95_s else ""), flush=True)
-        trials = tune(base, items, slo, args.max_trials, progress=True)
+              f"{ttft}" + (f", ITL p95 <= {itl}" if itl else ""), flush=True)
+        slo, trials = tune(base, items, (ttft, itl), args.max_trials, progress=True)
+        if ttft.relative or (itl is not None and itl.relative):
+            print(f"SLO from the start's measurement: TTFT p95 <= {slo.ttft_p95_s:.4g}s"
+                  + (f", ITL p95 <= {slo.itl_p95_s:.4g}s" if slo.itl_p95_s else ""), flush=True)
     except PagedServeError as exc:
         print(f"pagedserve tune: error: {exc}", file=sys.stderr)
         return 2
