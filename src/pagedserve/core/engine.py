@@ -7,7 +7,6 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,19 +31,11 @@ from pagedserve.core.scheduler import Scheduler, SchedulerStats
 from pagedserve.core.step_types import StepUpdate
 from pagedserve.core.workload import WorkloadRecorder
 from pagedserve.core.structured_output.manager import StructuredOutputManager, StructuredStep
+from pagedserve.kernels.cpu.isa import native_bf16
 
 logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cpu_has_fast_bf16() -> bool:
-    """AMX or AVX512-BF16: bf16 matmuls beat fp32 there; on plain AVX2 they are ~5x slower."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def resolve_device(name: str) -> torch.device:
@@ -57,7 +48,7 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        if device.type == "cuda" or cpu_has_fast_bf16():
+        if device.type == "cuda" or native_bf16():  # AMX / AVX512-BF16: bf16 beats fp32
             return torch.bfloat16
         return torch.float32
     return _TORCH_DTYPES[name]

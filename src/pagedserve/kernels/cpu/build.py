@@ -35,8 +35,10 @@ from types import ModuleType
 
 if __package__:
     from .build_lock import exclusive_build
+    from .isa import isa_cap
 else:  # run as a file (scripts/setup.sh): this folder is sys.path[0]
     from build_lock import exclusive_build
+    from isa import isa_cap
 
 HERE = Path(__file__).resolve().parent
 SOURCES: tuple[Path, ...] = tuple(sorted(HERE.glob("*.cpp")))
@@ -154,7 +156,9 @@ def _build(name: str, build_dir: Path, digest: str) -> ModuleType:
 @functools.lru_cache(maxsize=1)
 def load_extension() -> ModuleType:
     """Import the extension, building it first if these sources were never built here; raises
-    CpuKernelsUnavailable naming why it cannot."""
+    CpuKernelsUnavailable naming why it cannot (and ValueError for a PAGEDSERVE_CPU_ISA it does
+    not know, which the C++ side would ignore)."""
+    isa_cap()
     digest = source_digest()
     name = extension_name(digest)
     build_dir = build_root() / name

@@ -21,6 +21,8 @@
 #include <cstring>
 #include <utility>
 
+#include "isa.h"
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define PAGEDSERVE_AVX512 __attribute__((target("avx512f")))
 #define PAGEDSERVE_AVX512_BF16 __attribute__((target("avx512f,avx512bf16")))
@@ -40,7 +42,8 @@ constexpr int64_t kSumBlock = 128;  // k values summed apart before their sum jo
 // compiled for AVX512-BF16, which implies BW, and only emulates the dot product without it.)
 inline bool available() {
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  static const bool ok =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && isa_allowed(Isa::kAvx512);
   return ok;
 #else
   return false;
@@ -50,7 +53,7 @@ inline bool available() {
 // Whether the CPU has AVX512-BF16's dot product (vdpbf16ps), which pair_block then uses.
 inline bool native_bf16_dot() {
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
-  static const bool ok = available() && __builtin_cpu_supports("avx512bf16");
+  static const bool ok = available() && __builtin_cpu_supports("avx512bf16") && isa_allowed(Isa::kAvx512Bf16);
   return ok;
 #else
   return false;
@@ -60,7 +63,7 @@ inline bool native_bf16_dot() {
 // Whether ymm_rows_block runs here (AVX2 with FMA: every x86-64 CPU since Haswell / Zen 1).
 inline bool avx2_available() {
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && isa_allowed(Isa::kAvx2);
   return ok;
 #else
   return false;

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pagedserve.kernels.cpu import isa
 from pagedserve.kernels.cpu.build import CpuKernelsUnavailable, load_extension
 
 
@@ -67,8 +68,9 @@ _KERNELS = {
 
 def native_bf16() -> bool:
     """Whether this CPU has bf16 dot products (AVX512-BF16; every AMX CPU has it too), which
-    oneDNN's bf16 matmul and torch's bf16 attention use. Without them both emulate bf16 slowly."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    oneDNN's bf16 matmul and torch's bf16 attention use, and PAGEDSERVE_CPU_ISA allows them
+    (isa.py). Without them both emulate bf16 slowly."""
+    return isa.native_bf16()
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "isa.h"
 #include "vec.h"
 
 namespace pagedserve {
@@ -82,8 +83,8 @@ inline std::atomic<bool>& avx2_builds_forced() {
 
 // Whether the kernels take their AVX2 builds (over F8x2 / v8sf) here.
 inline bool use_avx2_builds() {
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && isa_allowed(Isa::kAvx2);
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && isa_allowed(Isa::kAvx512);
   return avx2 && (!avx512 || avx2_builds_forced().load(std::memory_order_relaxed));
 }
 
