@@ -13,7 +13,7 @@ from tritonclient.grpc import service_pb2
 from pagedserve.adapters.engine_metrics import ENGINE_METRICS
 from pagedserve.adapters.kserve.errors import OpenAIError, error_body, to_openai_error
 from pagedserve.adapters.kserve.metrics import EngineMetricsCollector
-from pagedserve.adapters.kserve.protocol import (ChatCompletionRequest, CompletionRequest, infer_sampling_params,
+from pagedserve.adapters.kserve.protocol import (ChatCompletionRequest, CompletionRequest, infer_params,
                                                  parse_request)
 from pagedserve.adapters.kserve.responses import CompletionRenderer
 from pagedserve.core.errors import EngineDead, InvalidRequest, RequestTooLong
@@ -109,17 +109,23 @@ def test_error_mapping():
 
 
 def test_v2_parameters_from_rest_and_grpc():
-    p = infer_sampling_params({"max_tokens": 4, "binary_data_output": True,
-                               "sampling_parameters": json.dumps({"temperature": 0.5, "stop": ["x"]})})
-    assert (p.max_tokens, p.temperature, p.stop) == (4, 0.5, ("x",))
+    p, kw = infer_params({"max_tokens": 4, "binary_data_output": True,
+                          "sampling_parameters": json.dumps({"temperature": 0.5, "stop": ["x"]})})
+    assert (p.max_tokens, p.temperature, p.stop, kw) == (4, 0.5, ("x",), {"cache_salt": None})
     grpc = {"max_tokens": service_pb2.InferParameter(int64_param=3),
-            "ignore_eos": service_pb2.InferParameter(bool_param=True)}
-    p = infer_sampling_params(grpc)
-    assert (p.max_tokens, p.ignore_eos) == (3, True)
+            "ignore_eos": service_pb2.InferParameter(bool_param=True),
+            "cache_salt": service_pb2.InferParameter(string_param="tenant-a")}
+    p, kw = infer_params(grpc)
+    assert (p.max_tokens, p.ignore_eos, kw) == (3, True, {"cache_salt": "tenant-a"})
+    assert infer_params({"sampling_parameters": '{"cache_salt": "b"}'})[1] == {"cache_salt": "b"}
     with pytest.raises(OpenAIError, match="'temperature' arrived without a value"):
-        infer_sampling_params({"temperature": service_pb2.InferParameter()})
+        infer_params({"temperature": service_pb2.InferParameter()})
     with pytest.raises(OpenAIError, match="JSON object"):
-        infer_sampling_params({"sampling_parameters": "[1]"})
+        infer_params({"sampling_parameters": "[1]"})
+    for bad in ("", 5):
+        with pytest.raises(InvalidRequest, match="cache_salt") as exc:
+            infer_params({"cache_salt": bad})
+        assert exc.value.param == "cache_salt"
 
 
 class _Tok:

@@ -16,6 +16,7 @@ import torch
 
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
+from pagedserve.core.errors import InvalidRequest
 from pagedserve.core.kv_cache.manager import KVCacheManager
 from pagedserve.core.kv_cache.prefix_hash import ROOT_HASH, extend_block_hashes, hash_block
 from pagedserve.core.request import Request
@@ -395,6 +396,11 @@ def test_salts_and_opt_out_end_to_end(tiny_model_dir):
         assert t == expected and d["hits"] == hit, rid
         assert d["computed"] == len(p) - hit
     assert d["queries"] == 0  # opting out is not a lookup
+    # "" would hash as no salt (sharing with every unsalted request): refused, as vLLM's server does
+    for bad in ("", 7):
+        with pytest.raises(InvalidRequest, match="cache_salt") as exc:
+            engine.add_request("bad-salt", p, greedy(8), cache_salt=bad)
+        assert exc.value.param == "cache_salt" and not engine.has_unfinished_requests()
     # an opt-out request publishes nothing: a cached request after it finds no block of its prompt
     q = rand_ids(40, seed=8)
     run_one(engine, "q-opt-out", q, 4, use_prefix_cache=False)

@@ -117,6 +117,20 @@ def test_n_samples_and_several_prompts_in_one_line_make_one_result(engine, tmp_p
     assert body["usage"]["completion_tokens"] == 12 and body["usage"]["prompt_tokens"] == 5
 
 
+def test_cache_salt_lines_share_cached_blocks_only_under_the_same_salt(engine, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    prompt = [(i * 37) % 380 + 3 for i in range(40)]  # 2 full blocks of 16 can be cached
+    write_jsonl(inp, [completion_line("a1", prompt, cache_salt="a"), completion_line("b1", prompt, cache_salt="b"),
+                      completion_line("a2", prompt, cache_salt="a"), completion_line("none", prompt),
+                      completion_line("empty", prompt, cache_salt="")])
+    run_batch(engine, inp, out, progress=False, max_queued=1)  # one line at a time, in order
+    recs = {r["custom_id"]: r["response"] for r in read_records(out)}
+    cached = {cid: recs[cid]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"]
+              for cid in ("a1", "b1", "a2", "none")}
+    assert cached == {"a1": 0, "b1": 0, "a2": 32, "none": 0}
+    assert recs["empty"]["status_code"] == 400 and recs["empty"]["body"]["error"]["param"] == "cache_salt"
+
+
 def test_cli_reports_progress_with_tokens_per_second(tiny_model_dir, tmp_path, capsys):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_jsonl(inp, [completion_line(f"r{i}", [3 + i, 4, 5]) for i in range(3)])

@@ -15,6 +15,7 @@ from pagedserve.core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pagedserve.core.errors import ConfigError, DuplicateRequest, InvalidRequest, RequestTooLong
 from pagedserve.core.kv_cache.cache_tensors import KVCacheSpec, make_kv_cache_spec
 from pagedserve.core.kv_cache.manager import KVCacheManager, cdiv
+from pagedserve.core.kv_cache.prefix_hash import check_cache_salt
 from pagedserve.core.layers.attention import select_attention_backend
 from pagedserve.core.layers.onednn_cache import bound_onednn_caches
 from pagedserve.core.limits import Deadlines, WaitingQueueGuard, max_prompt_chars
@@ -221,6 +222,8 @@ class LLMEngine:
                     compiled_grammar: Any = None) -> str:
         """Queue a request (n samples when params.n > 1); returns its request_id.
 
+        cache_salt: a tenant's salt; only requests with the same salt share cached prompt blocks
+        (None, or a non-empty string: check_cache_salt).
         deadline: time.monotonic() after which the request ends with finish_reason "timeout";
         None: arrival + request_timeout when that is configured, else never.
         compiled_grammar: params.structured_output compiled ahead (AsyncLLMEngine awaits
@@ -234,6 +237,7 @@ class LLMEngine:
             raise InvalidRequest(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._requests:
             raise DuplicateRequest(f"request_id={request_id!r} is already running; use a unique id")
+        cache_salt = check_cache_salt(cache_salt)
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise InvalidRequest("prompt is empty; send at least one token")

@@ -141,7 +141,7 @@ class BatchRunner:
             req = parse_request(URLS[line.url], json.dumps(line.body).encode())
             if self.served_model_name is not None and req.model != self.served_model_name:
                 raise model_not_found(req.model, self.served_model_name)
-            params = req.sampling_params()
+            params, engine_kwargs = req.sampling_params(), req.engine_kwargs()
             decode = self.engine.tokenizer.decode
             rid = f"line{line.line_no}"
             if isinstance(req, ChatCompletionRequest):
@@ -160,7 +160,7 @@ class BatchRunner:
         try:
             for i, prompt in enumerate(prompts):
                 request_id = f"{rid}-{i}"
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, **engine_kwargs)
                 added.append(request_id)
                 job.prompt_index[request_id] = i
         except Exception as exc:  # noqa: BLE001 - e.g. a prompt longer than the model allows

@@ -27,7 +27,7 @@ from kserve.errors import InvalidInput
 from pagedserve.adapters.kserve.errors import OpenAIError, error_headers, not_ready, to_openai_error
 from pagedserve.adapters.kserve.guards import request_timeout
 from pagedserve.adapters.kserve.openai_routes import generate_all
-from pagedserve.adapters.kserve.protocol import infer_sampling_params, text_inputs
+from pagedserve.adapters.kserve.protocol import infer_params, text_inputs
 from pagedserve.core.async_engine import AsyncLLMEngine
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.errors import PagedServeError
@@ -138,13 +138,15 @@ class PagedServeModel(Model):
     def get_output_types(self) -> list[dict]:
         return [{"name": OUTPUT_NAME, "datatype": "BYTES", "shape": [-1]}]
 
-    async def _complete(self, prompts: list[str], params: SamplingParams, timeout: float | None) -> list[str]:
+    async def _complete(self, prompts: list[str], parameters: Any, timeout: float | None) -> list[str]:
         """One text per prompt and sample (prompt-major), generated concurrently."""
+        params, engine_kwargs = infer_params(parameters)
         engine = self.warm_engine()
         if engine is None:
             raise not_ready()
         texts: list[list[str]] = [[] for _ in range(len(prompts) * params.n)]
-        async for i, out in generate_all(engine, f"infer-{uuid.uuid4().hex}", prompts, params, timeout):
+        async for i, out in generate_all(engine, f"infer-{uuid.uuid4().hex}", prompts, params, timeout,
+                                         engine_kwargs):
             texts[i * params.n + out.index].append(out.text)
         return ["".join(parts) for parts in texts]
 
@@ -171,7 +173,7 @@ class PagedServeModel(Model):
         if inp.datatype != "BYTES":
             raise OpenAIError(400, f"input {INPUT_NAME!r} must be BYTES, got {inp.datatype}")
         prompts = text_inputs(np.asarray(inp.as_numpy(), dtype=object).ravel().tolist(), INPUT_NAME)
-        texts = await self._complete(prompts, infer_sampling_params(request.parameters), timeout)
+        texts = await self._complete(prompts, request.parameters, timeout)
         output = InferOutput(OUTPUT_NAME, shape=[len(texts)], datatype="BYTES", data=texts)
         return InferResponse(response_id=request.id or uuid.uuid4().hex, model_name=self.name,
                              model_version=self.version, infer_outputs=[output], from_grpc=request.from_grpc,
@@ -181,5 +183,5 @@ class PagedServeModel(Model):
         if not isinstance(body, dict) or not isinstance(body.get("instances"), list):
             raise OpenAIError(400, 'v1 predict expects {"instances": ["prompt", ...], "parameters": {...}}')
         prompts = text_inputs(body["instances"], "instances")
-        texts = await self._complete(prompts, infer_sampling_params(body.get("parameters")), timeout)
+        texts = await self._complete(prompts, body.get("parameters"), timeout)
         return {"predictions": texts}

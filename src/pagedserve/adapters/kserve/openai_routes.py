@@ -55,18 +55,21 @@ def _event(data: dict[str, Any]) -> str:
 
 
 async def generate_all(engine: AsyncLLMEngine, request_id: str, prompts: Sequence[str | list[int]],
-                       params: SamplingParams, timeout: float | None = None) -> AsyncIterator[Output]:
+                       params: SamplingParams, timeout: float | None = None,
+                       engine_kwargs: dict[str, Any] | None = None) -> AsyncIterator[Output]:
     """Deltas of every prompt of one HTTP request, as they come. Closing this iterator (or an
-    error in one prompt) closes every engine stream, which aborts their requests."""
+    error in one prompt) closes every engine stream, which aborts their requests.
+    engine_kwargs: AsyncLLMEngine.generate's keyword arguments for every prompt (cache_salt)."""
+    kwargs = engine_kwargs or {}
     if len(prompts) == 1:  # the common case, without the extra tasks
-        async for out in engine.generate(request_id, prompts[0], params, timeout=timeout):
+        async for out in engine.generate(request_id, prompts[0], params, timeout=timeout, **kwargs):
             yield 0, out
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, prompt: str | list[int]) -> None:
         try:
-            async for out in engine.generate(f"{request_id}-{i}", prompt, params, timeout=timeout):
+            async for out in engine.generate(f"{request_id}-{i}", prompt, params, timeout=timeout, **kwargs):
                 queue.put_nowait((i, out))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, never lost in a task
             queue.put_nowait((i, exc))
@@ -152,18 +155,19 @@ class OpenAIServing:
     async def completions(self, request: Request) -> Response:
         try:
             req, engine = await self._accept(CompletionRequest, request)
-            prompts, params = req.prompts(), req.sampling_params()
+            prompts, params, kwargs = req.prompts(), req.sampling_params(), req.engine_kwargs()
         except (OpenAIError, PagedServeError) as exc:
             return error_response(exc)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         renderer = CompletionRenderer(request_id, self.model_name, engine.decode, params.n,
                                       params.logprobs is not None, bool(req.echo), prompts, req.echo_only)
-        return await self._respond(request, engine, prompts, params, renderer, bool(req.stream), req.stream_usage)
+        return await self._respond(request, engine, prompts, params, kwargs, renderer, bool(req.stream),
+                                   req.stream_usage)
 
     async def chat_completions(self, request: Request) -> Response:
         try:
             req, engine = await self._accept(ChatCompletionRequest, request)
-            params = req.sampling_params()
+            params, kwargs = req.sampling_params(), req.engine_kwargs()
             # Refused unrendered if the contents alone cannot fit; rendered off the event loop.
             prompt = await engine.apply_chat_template([m.as_template_input() for m in req.messages],
                                                       add_generation_prompt=req.add_generation_prompt is not False)
@@ -172,15 +176,17 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         renderer = ChatRenderer(request_id, self.model_name, engine.decode, params.n,
                                 params.logprobs is not None)
-        return await self._respond(request, engine, [prompt], params, renderer, bool(req.stream), req.stream_usage)
+        return await self._respond(request, engine, [prompt], params, kwargs, renderer, bool(req.stream),
+                                   req.stream_usage)
 
     async def _respond(self, request: Request, engine: AsyncLLMEngine, prompts: Sequence[str | list[int]],
-                       params: SamplingParams, renderer: _Renderer, stream: bool, usage: StreamUsage) -> Response:
+                       params: SamplingParams, engine_kwargs: dict[str, Any], renderer: _Renderer, stream: bool,
+                       usage: StreamUsage) -> Response:
         try:
             timeout = request_timeout(request.headers)
         except OpenAIError as exc:
             return error_response(exc)
-        outputs = generate_all(engine, renderer.request_id, prompts, params, timeout)
+        outputs = generate_all(engine, renderer.request_id, prompts, params, timeout, engine_kwargs)
         try:
             if not stream:
                 await until_disconnected(request, _collect(outputs, renderer))

@@ -9,6 +9,10 @@ Structured output: OpenAI's `response_format` (json_object, json_schema) and vLL
 `guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs` become one
 StructuredOutputParams (core/structured_output); at most one of them per request.
 
+`cache_salt` (vLLM's extra, also a v2 parameter) isolates a tenant's prefix cache: only requests
+with the same salt share cached prompt blocks. It is no sampling parameter: the routes hand it to
+AsyncLLMEngine.generate beside the SamplingParams (`engine_kwargs`).
+
 Some OpenAI fields ask for behaviour pagedserve does not have (tools, stored completions). Clients
 often send them at their default or no-op value (`tools: []`, `store: false`): those are accepted
 and change nothing; any other value is a 400 naming the field (`_refuse`), never silently ignored.
@@ -25,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pagedserve.adapters.kserve.errors import OpenAIError
 from pagedserve.adapters.kserve.responses import StreamUsage
 from pagedserve.core.errors import InvalidRequest
+from pagedserve.core.kv_cache.prefix_hash import check_cache_salt
 from pagedserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedserve.core.structured_output.params import (StructuredOutputParams, json_object_constraint,
                                                       json_schema_constraint, one_constraint)
@@ -94,8 +99,8 @@ class _GenerateRequest(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None  # accepted for compatibility; pagedserve does not use it
+    response_format: ResponseFormat | None = None  # structured output (see the module docstring)
     # accepted only at a value that changes nothing (see the module docstring)
-    response_format: ResponseFormat | None = None
     logit_bias: dict[str, float] | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -108,6 +113,8 @@ class _GenerateRequest(_Strict):
     min_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    cache_salt: str | None = None
+    """Prefix-cache isolation: only requests with the same salt share cached blocks (non-empty)."""
     # vLLM's structured output extras (shapes checked by SamplingParams.from_dict)
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -133,6 +140,11 @@ class _GenerateRequest(_Strict):
         if self.metadata:
             raise _refuse("metadata", "metadata tags stored completions, and pagedserve stores none; omit it "
                                       "or send null")
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """What the request asks of the engine besides its SamplingParams (AsyncLLMEngine.generate's
+        keyword arguments); raises a 400 naming a bad field."""
+        return {"cache_salt": check_cache_salt(self.cache_salt)}
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None, **extra: Any) -> SamplingParams:
@@ -275,12 +287,13 @@ _KSERVE_PARAMETERS = {"binary_data_output"}
 """Request parameters kserve itself interprets: not sampling parameters."""
 
 
-def infer_sampling_params(parameters: Any) -> SamplingParams:
-    """v2 infer request parameters (a REST dict, or gRPC's map of InferParameter) -> SamplingParams.
+def infer_params(parameters: Any) -> tuple[SamplingParams, dict[str, Any]]:
+    """v2 infer request parameters (a REST dict, or gRPC's map of InferParameter) -> SamplingParams
+    and the engine's keyword arguments (cache_salt).
 
-    Each parameter is a sampling parameter, or `sampling_parameters`: a JSON object in a string
-    (the Triton LLM convention), which also carries what scalar parameters cannot: lists (stop)
-    and, over gRPC, floats: kserve's gRPC InferParameter has no double field, so a client's
+    Each parameter is a sampling parameter, `cache_salt`, or `sampling_parameters`: a JSON object in
+    a string (the Triton LLM convention), which also carries what scalar parameters cannot: lists
+    (stop) and, over gRPC, floats: kserve's gRPC InferParameter has no double field, so a client's
     double (tritonclient's temperature=0.0) arrives with no value.
     """
     data: dict[str, Any] = {}
@@ -298,7 +311,8 @@ def infer_sampling_params(parameters: Any) -> SamplingParams:
             data.update(_json_object(value, key))
         else:
             data[key] = value
-    return SamplingParams.from_dict(data)
+    cache_salt = check_cache_salt(data.pop("cache_salt", None))
+    return SamplingParams.from_dict(data), {"cache_salt": cache_salt}
 
 
 def _json_object(value: Any, what: str) -> dict[str, Any]:

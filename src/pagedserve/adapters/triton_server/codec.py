@@ -11,6 +11,11 @@ The contract and its quirks are vllm_backend's (docs/contracts.md, Triton):
   converted for the numeric/boolean keys, as vllm_backend does, before the strict parser runs.
 - Non-streaming `text_output` is prompt + completion unless `exclude_input_in_output`; streaming
   responses carry only the new text. With n > 1 every output has one element per sequence.
+
+`cache_salt` (prefix-cache isolation per tenant, as vLLM's OpenAI server takes it) is a sampling key
+here, since that is where vllm_backend clients put request options; it is also an input of its own
+(shared with the token contract), so Triton's `/generate` turns a body's "cache_salt" into that
+tensor. It goes to the engine beside the SamplingParams, never into them.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from pagedserve.core.errors import InvalidRequest
+from pagedserve.core.kv_cache.prefix_hash import check_cache_salt
 from pagedserve.core.outputs import RequestOutput, TokenLogprobs
 from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.core.validation import parse_json_object
@@ -31,7 +37,9 @@ from pagedserve.core.validation import parse_json_object
 RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
                 "return_num_input_tokens", "return_num_output_tokens")
 BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
-TEXT_INPUTS = ("text_input", "sampling_parameters", *BOOL_INPUTS)
+CACHE_SALT = "cache_salt"
+"""An input of both contracts (STRING [1]); on a text request also a sampling key."""
+TEXT_INPUTS = ("text_input", "sampling_parameters", CACHE_SALT, *BOOL_INPUTS)
 
 # vllm_backend's string-to-number conversions (its _get_sampling_params_dict), so its clients work.
 _INT_KEYS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "best_of")
@@ -127,6 +135,17 @@ def timeout_seconds(request_timeout_us: int, parameters_json: str | None) -> flo
     return micros / 1e6
 
 
+def cache_salt_input(tensors: Mapping[str, np.ndarray | None], fallback: Any = None) -> str | None:
+    """The `cache_salt` input (else `fallback`, a request parameter's value), checked: None or a
+    non-empty string."""
+    value = scalar(tensors.get(CACHE_SALT), CACHE_SALT)
+    if value is None:
+        value = fallback
+    if isinstance(value, (bytes, bytearray)):
+        value = decode_utf8(value, CACHE_SALT)
+    return check_cache_salt(value)
+
+
 @dataclass(frozen=True)
 class TextRequest:
     prompt: str
@@ -138,6 +157,7 @@ class TextRequest:
     client_logprobs: bool = False
     """Whether the client asked for logprobs (the adapter may ask the engine for them anyway, to
     report cumulative_logprob)."""
+    cache_salt: str | None = None
 
     @property
     def generates(self) -> bool:
@@ -168,13 +188,25 @@ def parse_text_request(tensors: Mapping[str, np.ndarray | None], parameters_json
         if key in sampling:
             raise InvalidRequest(f"{key} is given twice, as the input {key!r} and as a sampling parameter; send it once")
         sampling = {**sampling, key: value}
+    sampling = dict(sampling)
+    salt_key = sampling.pop(CACHE_SALT, None)  # the engine takes it beside SamplingParams
+    salt_input = tensors.get(CACHE_SALT) is not None or from_params.get(CACHE_SALT) is not None
+    if salt_input and salt_key is not None:
+        raise InvalidRequest(f"{CACHE_SALT} is given twice, as the input {CACHE_SALT!r} and as a sampling parameter; "
+                             "send it once", param=CACHE_SALT)
+    cache_salt = cache_salt_input(tensors, from_params.get(CACHE_SALT) if salt_input else salt_key)
     returns = frozenset(f for f in RETURN_FLAGS if flags[f])
     params = sampling_params_from(sampling)
+    if params.prompt_logprobs is not None:  # it would cost a prefill of every position and come back nowhere
+        raise InvalidRequest("prompt_logprobs: the text contract (vllm_backend's) has no output for prompt "
+                             "logprobs; omit it (logprobs with return_logprobs reports the generated tokens')",
+                             param="prompt_logprobs")
     client_logprobs = params.logprobs is not None
     if "return_cumulative_logprob" in returns and not client_logprobs:
         # The engine scores tokens only when asked; 0 adds just the sampled token's logprob.
         params = dataclasses.replace(params, logprobs=0)
-    return TextRequest(prompt, params, flags["stream"], flags["exclude_input_in_output"], returns, client_logprobs)
+    return TextRequest(prompt, params, flags["stream"], flags["exclude_input_in_output"], returns, client_logprobs,
+                       cache_salt)
 
 
 def logprobs_json(entries: Sequence[TokenLogprobs], decode) -> list[dict[str, dict[str, Any]]]:

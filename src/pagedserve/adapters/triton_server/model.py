@@ -194,7 +194,8 @@ class TritonPythonModel:
                 return
             live = self._live[request_id] = _Live(sender, time.monotonic())
             finished, n = 0, parsed.params.n
-            stream = self.engine.generate(request_id, parsed.prompt, parsed.params, timeout=timeout)
+            stream = self.engine.generate(request_id, parsed.prompt, parsed.params, timeout=timeout,
+                                          cache_salt=parsed.cache_salt)
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     if out.finish_reason == "abort" or live.cancelled():

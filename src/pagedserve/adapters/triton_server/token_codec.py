@@ -6,6 +6,8 @@ out, no tokenizer on the wire.
     optional: end_id, pad_id, runtime_top_k INT32 [1]; temperature, runtime_top_p FP32 [1];
               random_seed UINT64 [1]; streaming, stop, exclude_input_in_output BOOL [1]
               guided_decoding_guide_type, guided_decoding_guide STRING [1] (structured output)
+              cache_salt STRING [1] (prefix-cache isolation: only requests with the same salt
+              share cached prompt blocks; pagedserve's, shared with the text contract)
     -> output_ids INT32 [-1, -1] (beam x tokens, beam width 1), sequence_length INT32 [-1]
 
 Semantics follow TensorRT-LLM where it has them: decoding is greedy unless runtime_top_k > 1 or
@@ -32,12 +34,12 @@ import numpy as np
 from pagedserve.core.errors import InvalidRequest
 from pagedserve.core.outputs import RequestOutput
 from pagedserve.core.sampling_params import SamplingParams
-from pagedserve.adapters.triton_server.codec import decode_utf8, parse_bool, scalar
+from pagedserve.adapters.triton_server.codec import CACHE_SALT, cache_salt_input, decode_utf8, parse_bool, scalar
 from pagedserve.core.structured_output.params import StructuredOutputParams, build_constraint
 
 TOKEN_INPUTS = ("input_ids", "request_output_len", "end_id", "pad_id", "temperature", "runtime_top_k",
                 "runtime_top_p", "random_seed", "streaming", "stop", "exclude_input_in_output",
-                "guided_decoding_guide_type", "guided_decoding_guide")
+                "guided_decoding_guide_type", "guided_decoding_guide", CACHE_SALT)
 _GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
 """TensorRT-LLM's guide types -> the structured_outputs field that means the same."""
 
@@ -50,6 +52,7 @@ class TokenRequest:
     stop_now: bool = False
     """TensorRT-LLM's `stop` input: end the request before it generates anything."""
     exclude_input_in_output: bool = False
+    cache_salt: str | None = None
 
     @property
     def prompt(self) -> list[int]:
@@ -130,7 +133,7 @@ def parse_token_request(tensors: Mapping[str, np.ndarray | None]) -> TokenReques
     _int(tensors, "pad_id")  # type-checked only: one beam never needs padding
     params = dataclasses.replace(SamplingParams.from_dict(fields), structured_output=_guide(tensors))
     return TokenRequest(prompt_ids, params, _flag(tensors, "streaming"),
-                        _flag(tensors, "stop"), _flag(tensors, "exclude_input_in_output"))
+                        _flag(tensors, "stop"), _flag(tensors, "exclude_input_in_output"), cache_salt_input(tensors))
 
 
 class TokenResponseBuilder:
