@@ -15,6 +15,7 @@ computes the layer and neither the plain nor the oneDNN copy is kept.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -29,7 +30,21 @@ _PACK_FOR_ROWS = 64
 
 def _can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and _onednn_packs_bf16())
+
+
+@functools.lru_cache(maxsize=1)
+def _onednn_packs_bf16() -> bool:
+    """Whether oneDNN packs bf16 weights on this CPU: it needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT,
+    and refuses on plain AVX2 CPUs, where the plain F.linear path runs (asked once, not per layer)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(32, 32, dtype=torch.bfloat16), _PACK_FOR_ROWS)
+    except RuntimeError as exc:
+        logger.info("oneDNN does not pack bf16 weights here; bf16 layers use plain matmuls: %s", exc)
+        return False
+    return True
 
 
 class Linear:
