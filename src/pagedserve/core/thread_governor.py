@@ -11,9 +11,9 @@ How. Twice a second the engine thread (`poll()`, before a step) reads two figure
 * waiting: how long this process's threads were ready to run but had no CPU (the run delay in
   /proc/self/task/*/schedstat), less the time its cgroup's quota throttled it (cpu.stat): a quota
   stops the whole team at once and costs nothing at a barrier, a neighbour stops one thread. A
-  same-priority neighbour on one of two cores makes the team wait half a CPU's worth; the
-  server's own front end and housekeeping, under a tenth. At WAIT_LIMIT or more the team loses a
-  thread.
+  same-priority neighbour on one of two cores makes the team wait 0.7-0.9 CPUs' worth; the
+  server's own threads, mostly under a third. At WAIT_LIMIT or more, two looks in a row, the team
+  loses a thread.
 * idle: the CPUs of the affinity mask that nobody used (/proc/stat). With a core's worth idle
   (IDLE_LIMIT) the team gets a thread back, up to its start count.
 
@@ -43,8 +43,13 @@ logger = logging.getLogger(__name__)
 INTERVAL_S = 0.5
 """Seconds between looks: long enough that /proc/stat's 10 ms ticks and a step's length average
 out, short enough that a neighbour that comes or goes costs half a second."""
-WAIT_LIMIT = 0.3
-"""CPUs' worth of waiting at which the team gives up a thread."""
+WAIT_LIMIT = 0.5
+"""CPUs' worth of waiting, two looks in a row, at which the team gives up a thread. Measured on 2
+cores: a busy neighbour sharing one core with a two-thread team made it wait 0.7-0.9 every look
+(the spinning at each barrier keeps the thread there runnable); a server's own threads
+(tritonserver's front end, the KServe event loop, a client on the same machine) mostly 0.05-0.3,
+once in a while 0.57 for one look, and there a thread fewer costs a third of the throughput. A
+quiet machine: under 0.1."""
 IDLE_LIMIT = 0.7
 """CPUs' worth of idle time at which the team takes a thread back."""
 PROBE_S = 30.0
@@ -113,6 +118,7 @@ class ThreadGovernor:
         self._interval = interval
         self._probe_wait = PROBE_S
         self._probing = False
+        self._waited = False  # the previous look saw WAIT_LIMIT or more
         self._last = self._sample() if self.enabled else None
         self._next_probe = self._last.at + self._probe_wait if self._last else 0.0
 
@@ -136,7 +142,9 @@ class ThreadGovernor:
         waiting = (current.waited - self._last.waited) / wall
         idle = (current.idle - self._last.idle) / wall
         self._last = current
-        if waiting >= WAIT_LIMIT and self.threads > 1:
+        logger.debug("compute threads %d: waiting %.2f, idle %.2f CPUs", self.threads, waiting, idle)
+        waited_before, self._waited = self._waited, waiting >= WAIT_LIMIT
+        if self._waited and (waited_before or self._probing) and self.threads > 1:
             if self._probing:  # the extra thread found no free core: try again later
                 self._probe_wait = min(PROBE_MAX_S, 2 * self._probe_wait)
             self._change(self.threads - 1, f"threads waited {waiting:.2f} CPUs' worth for a CPU")
