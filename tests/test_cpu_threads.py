@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from pagedserve.core.cpu_threads import ThreadPlan, cgroup_cpu_quota, thread_plan, threads_for
-from pagedserve.core.thread_governor import Sample, ThreadGovernor, idle_cpu_seconds, process_run_delay
+from pagedserve.core.thread_governor import (COMPUTE_THREAD_NAME, Sample, ThreadGovernor, idle_cpu_seconds,
+                                             name_compute_threads, process_run_delay)
 
 
 # -- the start count -----------------------------------------------------------------------------
@@ -277,3 +278,40 @@ def test_an_engine_computes_with_the_threads_it_was_given(tiny_model_dir, monkey
         assert torch.get_num_threads() == 2 and engine.threads.threads == 2 and not engine.threads.enabled
     finally:
         torch.set_num_threads(before)
+
+
+def test_only_the_named_compute_threads_waiting_counts(tmp_path):
+    tasks = tmp_path / "task"
+    for tid, name, delay in (("1", "python", 5_000_000_000), ("2", COMPUTE_THREAD_NAME, 1_000_000_000),
+                             ("3", COMPUTE_THREAD_NAME, 500_000_000), ("4", "uvicorn", 9_000_000_000)):
+        (tasks / tid).mkdir(parents=True)
+        (tasks / tid / "comm").write_text(name + "\n")
+        (tasks / tid / "schedstat").write_text(f"1 {delay} 1\n")
+    assert process_run_delay(str(tasks), COMPUTE_THREAD_NAME) == pytest.approx(1.5)
+    assert process_run_delay(str(tasks)) == pytest.approx(15.5)
+
+
+def test_an_engine_thread_names_itself_and_its_openmp_workers_inherit_the_name():
+    import torch
+
+    names: dict[str, object] = {}
+
+    def engine_thread():
+        names["named"] = name_compute_threads()
+        torch.set_num_threads(2)
+        a = torch.randn(512, 512)
+        for _ in range(20):
+            a @ a  # starts this thread's OpenMP team
+        me = threading.get_native_id()
+        names["workers"] = [Path(f"/proc/self/task/{t}/comm").read_text().strip()
+                            for t in os.listdir("/proc/self/task") if int(t) != me
+                            and Path(f"/proc/self/task/{t}/comm").read_text().strip() == COMPUTE_THREAD_NAME]
+        names["self"] = Path(f"/proc/self/task/{me}/comm").read_text().strip()
+
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    t.join()
+    assert names["named"] and names["self"] == COMPUTE_THREAD_NAME
+    assert not name_compute_threads()  # the main thread keeps the process's name
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert len(names["workers"]) >= 1  # the team's second thread

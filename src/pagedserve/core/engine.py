@@ -13,7 +13,7 @@ import torch
 
 from pagedserve.core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pagedserve.core.cpu_threads import ThreadPlan, thread_plan
-from pagedserve.core.thread_governor import ThreadGovernor
+from pagedserve.core.thread_governor import ThreadGovernor, name_compute_threads
 from pagedserve.core.errors import ConfigError, DuplicateRequest, InvalidRequest, RequestTooLong
 from pagedserve.core.kv_cache.cache_tensors import KVCacheSpec, make_kv_cache_spec
 from pagedserve.core.kv_cache.manager import KVCacheManager, cdiv
@@ -139,10 +139,11 @@ class LLMEngine:
         if self.device.type != "cpu":
             return ThreadGovernor(ThreadPlan(torch.get_num_threads(), False, "not a CPU engine"), torch.set_num_threads)
         plan = thread_plan()
+        named = name_compute_threads()  # before the first parallel region starts the workers
         torch.set_num_threads(plan.start)
         logger.info("compute threads: %d (%s)%s", plan.start, plan.why,
                     "; adjusted to the cores other work leaves" if plan.adaptive and plan.start > 1 else "")
-        return ThreadGovernor(plan, torch.set_num_threads)
+        return ThreadGovernor(plan, torch.set_num_threads, compute_threads_named=named)
 
     def _num_kv_blocks(self, kv_spec: KVCacheSpec) -> int:
         """Blocks that fit the memory budget; a block's bytes include int8/fp8 scales."""

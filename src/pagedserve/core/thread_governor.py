@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -56,6 +57,27 @@ PROBE_S = 30.0
 PROBE_MAX_S = 300.0
 
 
+COMPUTE_THREAD_NAME = "pagedserve-cpu"
+"""The OS name of the engine thread when it is not the main thread, and so of the OpenMP workers
+it starts (a new thread inherits its creator's name): only these threads' waiting counts. A
+server's own threads in the same process (the KServe event loop, the Triton stub's response
+senders) wait behind the compute threads; that is no sign of a neighbour."""
+
+
+def name_compute_threads() -> bool:
+    """Names the calling thread COMPUTE_THREAD_NAME; call it before the thread's first torch op,
+    so that its OpenMP workers are named too. The main thread keeps its name (it is the process's
+    name in ps and top): there every thread of the process counts. Returns whether it named."""
+    if threading.current_thread() is threading.main_thread():
+        return False
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write(COMPUTE_THREAD_NAME)
+    except OSError:
+        return False
+    return True
+
+
 class Sample(NamedTuple):
     at: float
     """Clock seconds."""
@@ -65,8 +87,9 @@ class Sample(NamedTuple):
     """Idle CPU-seconds of the affinity mask's CPUs, cumulative."""
 
 
-def process_run_delay(task_dir: str = "/proc/self/task") -> float | None:
-    """Seconds this process's live threads have been runnable but not running (None: no schedstat)."""
+def process_run_delay(task_dir: str = "/proc/self/task", name: str | None = None) -> float | None:
+    """Seconds this process's live threads (those called `name`, if given) have been runnable but
+    not running; None where there is no schedstat."""
     total = 0
     try:
         tasks = os.listdir(task_dir)
@@ -74,6 +97,10 @@ def process_run_delay(task_dir: str = "/proc/self/task") -> float | None:
         return None
     for tid in tasks:
         try:
+            if name is not None:
+                with open(f"{task_dir}/{tid}/comm") as f:
+                    if f.read().strip() != name:
+                        continue
             with open(f"{task_dir}/{tid}/schedstat") as f:
                 total += int(f.read().split()[1])
         except (OSError, ValueError, IndexError):
@@ -96,8 +123,8 @@ def idle_cpu_seconds(cpus: list[int], stat_path: str = "/proc/stat") -> float | 
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def read_sample(cpus: list[int], threads: int) -> Sample | None:
-    delay, idle = process_run_delay(), idle_cpu_seconds(cpus)
+def read_sample(cpus: list[int], threads: int, name: str | None = None) -> Sample | None:
+    delay, idle = process_run_delay(name=name), idle_cpu_seconds(cpus)
     if delay is None or idle is None:
         return None
     # Throttling by the quota delays every runnable thread of the team; take that out.
@@ -109,7 +136,11 @@ class ThreadGovernor:
 
     def __init__(self, plan: ThreadPlan, set_threads: Callable[[int], None], *,
                  cpus: list[int] | None = None, interval: float = INTERVAL_S,
-                 sample: Callable[[list[int], int], Sample | None] = read_sample) -> None:
+                 sample: Callable[[list[int], int], Sample | None] | None = None,
+                 compute_threads_named: bool = False) -> None:
+        if sample is None:
+            name = COMPUTE_THREAD_NAME if compute_threads_named else None
+            sample = lambda cpus, threads: read_sample(cpus, threads, name)  # noqa: E731
         self.max_threads = self.threads = plan.start
         self.enabled = plan.adaptive and plan.start > 1
         self.changes = 0
