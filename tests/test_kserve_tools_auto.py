@@ -84,7 +84,8 @@ def forced(client, text, stream=False, **kw):
     if not stream:
         return client.chat.completions.create(**args)
     with client.chat.completions.stream(**args) as s:
-        return s.get_final_completion(), [e for e in s]
+        events = list(s)
+        return s.get_final_completion(), events
 
 
 def calls_of(message):

@@ -28,7 +28,8 @@ class ToolChatRenderer(ChatRenderer):
         self._calls: dict[int, list[dict[str, Any]]] = {}
         """choice index -> its calls as the message lists them."""
         self._started: set[int] = set()
-        """choices whose first chunk (the one with the role) went out."""
+        """choices whose first chunk (the one with the role) went out. It is sent with the first
+        content or call: a call's message has content null, a text's first chunk has its text."""
 
     def _accumulate(self, index: int, parsed: ParsedDelta) -> None:
         calls = self._calls.setdefault(index, [])
@@ -58,15 +59,14 @@ class ToolChatRenderer(ChatRenderer):
         finish_reason = None
         if out.finished:
             finish_reason = choice.finish_reason = self._finish_reason(index, out.finish_reason)
-        started = index in self._started
-        if started and not (parsed.content or parsed.tool_calls or rows or finish_reason):
-            return None  # held back: nothing to say yet
+        if not (parsed.content or parsed.tool_calls or rows or finish_reason):
+            return None  # held back: nothing to say yet (the role goes with the first real chunk)
+        delta: dict[str, Any] = {} if index in self._started else {"role": "assistant", "content": None}
         self._started.add(index)
-        delta: dict[str, Any] = {} if started else {"role": "assistant"}
-        if parsed.content or not (started or parsed.tool_calls):
+        if parsed.content:
             delta["content"] = parsed.content
-        elif not started:
-            delta["content"] = None
+        elif finish_reason and not self._calls.get(index) and not any(choice.text):
+            delta["content"] = ""  # an empty answer is "" (as non-streamed), not null
         if parsed.tool_calls:
             delta["tool_calls"] = [tc.as_json() for tc in parsed.tool_calls]
         return self._envelope(self.chunk_object_name, [{
