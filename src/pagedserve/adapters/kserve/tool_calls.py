@@ -92,9 +92,10 @@ def parse_tools(tools: list[Any]) -> list[FunctionTool]:
     out: dict[str, FunctionTool] = {}
     for i, tool in enumerate(tools):
         param = f"tools[{i}]"
-        tool = _keys(tool, param, ("type", "function"))
+        tool = _keys(tool, param, ("type",), ("function",))
         if tool["type"] != "function":
             raise _bad(f"{param}.type", f'{tool["type"]!r} is not supported; send "function"')
+        _keys(tool, param, ("type", "function"))
         fn = _keys(tool["function"], f"{param}.function", ("name",), ("description", "parameters", "strict"))
         name = _string(fn["name"], f"{param}.function.name")
         if name in out:
