@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 from pagedserve.core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from pagedserve.core.cpu_threads import ThreadPlan, thread_plan
+from pagedserve.core.thread_governor import ThreadGovernor
 from pagedserve.core.errors import ConfigError, DuplicateRequest, InvalidRequest, RequestTooLong
 from pagedserve.core.kv_cache.cache_tensors import KVCacheSpec, make_kv_cache_spec
 from pagedserve.core.kv_cache.manager import KVCacheManager, cdiv
@@ -93,6 +95,7 @@ class LLMEngine:
                 f"{self.arch.max_position_embeddings}; lower max_model_len"
             )
         self.eos_token_id = self.arch.eos_token_ids[0] if self.arch.eos_token_ids else self.tokenizer.eos_token_id
+        self.threads = self._start_threads()
         if self.device.type == "cpu":
             bound_onednn_caches()  # before the first oneDNN primitive: packing the weights
         kernels = select_attention_backend(mc.attention_backend, self.device)
@@ -128,6 +131,18 @@ class LLMEngine:
         logger.info("pagedserve engine: %s on %s in %s, %d KV blocks of %d tokens; loaded in %.2fs (%s)",
                     self.model_path, self.device, self.dtype, self.num_kv_blocks, cc.block_size,
                     time.perf_counter() - started, ", ".join(f"{k} {v:.2f}s" for k, v in self.load_seconds.items()))
+
+    def _start_threads(self) -> ThreadGovernor:
+        """The compute threads: what the process may use (core/cpu_threads.py), adjusted while it
+        runs to the cores other work leaves (core/thread_governor.py). Set here, on the thread that
+        will step the engine: an OpenMP thread count belongs to the thread that sets it."""
+        if self.device.type != "cpu":
+            return ThreadGovernor(ThreadPlan(torch.get_num_threads(), False, "not a CPU engine"), torch.set_num_threads)
+        plan = thread_plan()
+        torch.set_num_threads(plan.start)
+        logger.info("compute threads: %d (%s)%s", plan.start, plan.why,
+                    "; adjusted to the cores other work leaves" if plan.adaptive and plan.start > 1 else "")
+        return ThreadGovernor(plan, torch.set_num_threads)
 
     def _num_kv_blocks(self, kv_spec: KVCacheSpec) -> int:
         """Blocks that fit the memory budget; a block's bytes include int8/fp8 scales."""
@@ -304,6 +319,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: end expired requests, schedule, run the batch, sample, apply stop rules,
         detokenize."""
+        self.threads.poll()
         outputs = self._expire_deadlines()
         if not self.scheduler.has_unfinished_requests():  # everything left just timed out
             self._forget_finished(outputs)
