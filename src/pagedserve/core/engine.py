@@ -201,8 +201,12 @@ class LLMEngine:
                 raise InvalidRequest(f"prompt token ids: item {i} is {t!r}; token ids must be integers in [0, {vocab})")
         return ids
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render chat messages ([{"role": ..., "content": ...}, ...]) with the model's template."""
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """Render chat messages ([{"role": ..., "content": ...}, ...]) with the model's template.
+        A message may carry more keys the template reads (an assistant's `tool_calls`, a tool
+        message's `tool_call_id`); `tools` (function definitions)
+        reach the template as `tools`, and templates that ignore them render as without."""
         if not self.tokenizer.chat_template:
             raise InvalidRequest(f"the model at {self.model_path} has no chat template; send a plain prompt")
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
@@ -210,8 +214,10 @@ class LLMEngine:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise InvalidRequest(f"messages[{i}]: expected {{\"role\": str, \"content\": str}}, got {m!r}")
-        return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        if tools is not None and (isinstance(tools, (str, dict)) or not all(isinstance(t, dict) for t in tools)):
+            raise InvalidRequest(f"tools: expected a list of function definitions, got {tools!r}", param="tools")
+        return self.tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                                  tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def _check_lengths(self, n: int, params: SamplingParams) -> int:
         """Validate prompt length against max_model_len and the pool; return resolved max_tokens."""
