@@ -100,12 +100,15 @@ def reshape_and_cache(
 def paged_attention(
     query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor, query_start_loc: Tensor,
     seq_lens: Tensor, scale: float, max_query_len: int, max_seq_len: int, sliding_window: int | None = None,
-    k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+    k_scale: Tensor | None = None, v_scale: Tensor | None = None, softcap: float | None = None,
 ) -> Tensor:
-    """Same signature, contract and result as pagedserve.kernels.reference.paged_attention."""
-    if not (query.dtype in _FP32_BF16 and key_cache.dtype in _READS_IN_PLACE and query.is_contiguous()):
+    """Same signature, contract and result as pagedserve.kernels.reference.paged_attention.
+    Attention logit softcapping (Gemma 2) takes the reference's explicit-score path."""
+    if not (query.dtype in _FP32_BF16 and key_cache.dtype in _READS_IN_PLACE and query.is_contiguous()
+            and softcap is None):
         return reference.paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                                         scale, max_query_len, max_seq_len, sliding_window, k_scale, v_scale)
+                                         scale, max_query_len, max_seq_len, sliding_window, k_scale, v_scale,
+                                         softcap)
     starts, lens, q_lens, mode = _checked_args(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, max_query_len, max_seq_len,
         sliding_window, k_scale, v_scale)
