@@ -21,7 +21,10 @@ for every prompt token and position + 1 for each new token, and K/V keep the rot
 computed with. RotaryEmbedding.rows() follows exactly that rule per token, from the request's
 prompt length (ForwardBatch.rope_lengths = max(prompt length, position + 1)), so chunked prefill,
 batching and preemption give the same rotation as transformers; `prefix_cache_key` says which
-prompt lengths may share cached blocks.
+prompt lengths may share cached blocks. One case is not transformers': Phi-3's generate() discards
+its cache when a sequence grows past original_max_position_embeddings and recomputes all of it
+with the long factors; here the tokens computed before the switch keep their short-factor K/V
+(vLLM's behaviour too).
 """
 
 from __future__ import annotations
