@@ -113,3 +113,12 @@ def test_unsupported_config_features_are_named():
                               architectures=["Gemma3ForCausalLM"])
     with pytest.raises(UnsupportedModel, match="use_bidirectional_attention"):
         ModelArch.from_hf_config(config)
+
+
+def test_multimodal_gemma3_is_refused_with_a_way_out():
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(hidden_size=64, num_attention_heads=4, vocab_size=64, intermediate_size=64,
+                              num_hidden_layers=1, architectures=["Gemma3ForConditionalGeneration"])
+    with pytest.raises(UnsupportedModel, match="text-only Gemma 3 checkpoint"):
+        ModelArch.from_hf_config(config)

@@ -83,6 +83,11 @@ class ModelArch:
     def from_hf_config(cls, cfg: Any) -> "ModelArch":
         archs = list(getattr(cfg, "architectures", None) or [])
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and "Gemma3ForConditionalGeneration" in archs:
+            raise UnsupportedModel(
+                "architectures=['Gemma3ForConditionalGeneration'] (Gemma 3 with vision) is not supported: its "
+                "text decoder is not read out of the multimodal checkpoint; use a text-only Gemma 3 checkpoint "
+                "(Gemma3ForCausalLM, e.g. gemma-3-1b-it)")
         if arch is None:
             raise UnsupportedModel(
                 f"architectures={archs} is not supported; pagedserve runs {', '.join(SUPPORTED_ARCHITECTURES)}"
