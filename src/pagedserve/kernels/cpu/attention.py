@@ -9,7 +9,8 @@ end, which is what the reference does around its fp32 SDPA. Prefill chunks witho
 window over fp32 caches (AVX-512, or AVX2 with FMA), and over bf16 caches on AVX-512 CPUs without
 bf16 dot products, go through paged_prefill_attention.cpp (two GEMMs and an exact softmax per
 block of query rows, fp32 math); the others keep the reference's SDPA. fp16 queries or caches keep
-the reference path entirely. The contract is the reference's (kernels/reference/attention.py).
+the reference path entirely, and so do softcapped scores (Gemma 2; the C++ kernels have no softcap
+yet). The contract is the reference's (kernels/reference/attention.py).
 """
 
 from __future__ import annotations
