@@ -89,7 +89,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
         mark("config and tokenizer")
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
-        if self.max_model_len > self.arch.max_position_embeddings and self.arch.rope_scaling is None:
+        if self.max_model_len > self.arch.max_position_embeddings and not self.arch.rope_extends_context:
             raise ConfigError(
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
                 f"{self.arch.max_position_embeddings}; lower max_model_len"
@@ -275,6 +275,11 @@ class LLMEngine:
             deadline = time.monotonic() + self.config.limits.request_timeout
         if params.prompt_logprobs is not None:
             use_prefix_cache = False  # every prompt position must run to be scored
+        rope_key = self.runner.model.prefix_cache_key(len(token_ids))
+        if rope_key is not None:
+            # A length-dependent rope (longrope past its original length, dynamic NTK) rotates this
+            # prompt's keys by its length: they may only be shared with prompts rotated alike.
+            cache_salt = f"{cache_salt or ''}\x00{rope_key}"
         if params.structured_output is not None and compiled_grammar is None:
             compiled_grammar = self.structured_output.compiler.compile(params.structured_output)
         leader = None
