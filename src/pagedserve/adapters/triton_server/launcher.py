@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.adapters.child_process import stop_process_group
-from pagedserve.adapters.triton_server.engine_config import MODEL_OVERRIDE_ENV
+from pagedserve.adapters.triton_server.engine_config import MODEL_OVERRIDE_ENV, SHUTDOWN_NOTICE_ENV
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 """The shipped repository (one model, pagedserve): src/pagedserve/model_repository/ of a checkout, or the
@@ -88,20 +88,28 @@ def make_backend_dir(root: Path) -> Path:
     return root
 
 
-def server_env(base: dict[str, str] | None = None, model_override: str | None = None) -> dict[str, str]:
+def server_env(base: dict[str, str] | None = None, model_override: str | None = None,
+               shutdown_notice: Path | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     env["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
     if model_override:
         env[MODEL_OVERRIDE_ENV] = model_override
+    if shutdown_notice is not None:
+        env[SHUTDOWN_NOTICE_ENV] = str(shutdown_notice)
     return env
 
 
 @dataclass
 class TritonServer:
     """A running tritonserver, in a session of its own; `stop()` ends it and every process it started
-    (its Python backend stubs) and removes its /dev/shm regions."""
+    (its Python backend stubs) and removes its /dev/shm regions.
+
+    Stop it through `send_stop_signal()` (or `stop()`), not by signalling the process alone: that
+    first creates the shutdown notice its models watch, so that they start draining at once.
+    tritonserver tells its models of a shutdown only once every HTTP connection has closed (an open
+    SSE stream holds it up to the exit timeout) and every stream has ended (server_watch.py)."""
 
     process: subprocess.Popen
     host: str
@@ -112,6 +120,8 @@ class TritonServer:
     backend_dir: tempfile.TemporaryDirectory
     log_path: Path | None = None
     models: list[str] = field(default_factory=list)
+    shutdown_notice: Path | None = None
+    """The file whose existence tells the models that the server is stopping (SHUTDOWN_NOTICE_ENV)."""
 
     @property
     def http_url(self) -> str:
@@ -153,9 +163,18 @@ class TritonServer:
         tail = self.log_path.read_text(errors="replace").splitlines()[-30:]
         return f"; last log lines ({self.log_path}):\n" + "\n".join(tail)
 
+    def send_stop_signal(self, sig: int = signal.SIGTERM) -> None:
+        """Begin a graceful stop: the models' notice first (they refuse new requests and give those
+        in flight drain_timeout), then `sig` (SIGTERM or SIGINT) to tritonserver."""
+        if self.shutdown_notice is not None and self.process.poll() is None:
+            self.shutdown_notice.touch()
+        self.process.send_signal(sig)
+
     def stop(self, timeout: float = EXIT_TIMEOUT_S + 10) -> None:
         # SIGINT to tritonserver alone: it unloads the models, whose stubs then exit. The rest of its
         # group is only what it could not end (it crashed or was killed): see stop_process_group.
+        if self.shutdown_notice is not None and self.process.poll() is None:
+            self.shutdown_notice.touch()
         stop_process_group(self.process, signal.SIGINT, timeout, kill_timeout=5)
         for region in glob.glob(f"/dev/shm/{self.shm_prefix}*"):
             try:
@@ -177,6 +196,7 @@ def start_server(model_repository: str | Path = DEFAULT_REPOSITORY, *, host: str
     backend_dir = tempfile.TemporaryDirectory(prefix="pagedserve-triton-backends-")
     make_backend_dir(Path(backend_dir.name))
     shm_prefix = f"pagedserve_{uuid.uuid4().hex[:8]}_"
+    shutdown_notice = Path(backend_dir.name) / "shutting-down"
     cmd = [str(wheel_dir() / "bin" / "tritonserver"), f"--model-repository={repository}",
            f"--backend-directory={backend_dir.name}",
            f"--http-address={host}", f"--grpc-address={host}", f"--metrics-address={host}",
@@ -190,12 +210,12 @@ def start_server(model_repository: str | Path = DEFAULT_REPOSITORY, *, host: str
     out = open(log_path, "wb") if log_path else None  # noqa: SIM115 - owned by the child from here on
     # A session of its own: its stubs share its process group, so stop() can end what it leaves
     # behind, and a terminal's Ctrl-C reaches only the launcher, which passes it on once.
-    process = subprocess.Popen(cmd, env=server_env(env, model_override), stdout=out,
+    process = subprocess.Popen(cmd, env=server_env(env, model_override, shutdown_notice), stdout=out,
                                stderr=subprocess.STDOUT if out else None, start_new_session=True)
     if out:
         out.close()
     server = TritonServer(process, host, http_port, grpc_port, metrics_port, shm_prefix, backend_dir,
-                          Path(log_path) if log_path else None, list(models or []))
+                          Path(log_path) if log_path else None, list(models or []), shutdown_notice)
     if wait:
         try:
             server.wait_ready(timeout)
@@ -226,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class SignalForwarder:
-    """Passes the signals that stop `pagedserve triton` on to tritonserver. Installed before the
+    """Passes the signals that stop `pagedserve triton` on to tritonserver (with the models' shutdown
+    notice first: TritonServer.send_stop_signal). Installed before the
     server starts, so no signal finds the launcher without its handler (it would die and leave the
     server running); one that comes before the server exists is sent as soon as it does. A hangup
     (the terminal closed) becomes SIGTERM: tritonserver handles INT and TERM only. Under nohup,
@@ -238,7 +259,7 @@ class SignalForwarder:
     def __init__(self) -> None:
         self.received: list[int] = []
         self._pending: list[int] = []
-        self._process: subprocess.Popen | None = None
+        self._server: TritonServer | None = None
         self._previous = {sig: signal.getsignal(sig) for sig in self.SENT_AS}
         for sig in self.SENT_AS:
             if sig != signal.SIGHUP or self._previous[sig] is not signal.SIG_IGN:
@@ -246,18 +267,18 @@ class SignalForwarder:
 
     def _handle(self, signum: int, _frame) -> None:
         self.received.append(signum)
-        if self._process is None:
+        if self._server is None:
             self._pending.append(signum)
         else:
-            self._process.send_signal(self.SENT_AS[signum])
+            self._server.send_stop_signal(self.SENT_AS[signum])
 
-    def attach(self, process: subprocess.Popen) -> None:
-        """From now on signals go to `process`; those that came before go now. Handlers run on this
+    def attach(self, server: TritonServer) -> None:
+        """From now on signals go to `server`; those that came before go now. Handlers run on this
         thread between bytecodes, so each signal is sent exactly once: by the handler once
-        `_process` is set, or from `_pending` here."""
-        self._process = process
+        `_server` is set, or from `_pending` here."""
+        self._server = server
         while self._pending:
-            process.send_signal(self.SENT_AS[self._pending.pop(0)])
+            server.send_stop_signal(self.SENT_AS[self._pending.pop(0)])
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -278,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         server = start_server(args.model_repository, host=args.host, http_port=args.http_port,
                               grpc_port=args.grpc_port, metrics_port=args.metrics_port, models=args.load_model,
                               model_override=args.model, extra_args=extra, wait=False)
-        forwarder.attach(server.process)
+        forwarder.attach(server)
         return _serve(server, args, forwarder)
     finally:
         forwarder.restore()
