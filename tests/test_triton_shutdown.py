@@ -187,3 +187,10 @@ def test_an_abandoned_stream_then_sigint_exits_within_the_drain_period_every_tim
         assert code == 0, tail(srv.log_path)
         assert seconds < DRAIN_TIMEOUT + MARGIN, f"run {len(took)}: exited {seconds:.1f} s after SIGINT ({took})\n" \
                                                  f"{tail(srv.log_path)}"
+
+
+def test_the_launchers_default_drain_timeout_is_the_engines():
+    from pagedserve.adapters.triton_server.launcher import DEFAULT_DRAIN_TIMEOUT_S
+    from pagedserve.core.config import LimitsConfig
+
+    assert DEFAULT_DRAIN_TIMEOUT_S == LimitsConfig().drain_timeout

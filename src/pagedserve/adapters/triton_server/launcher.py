@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import glob
 import importlib.util
+import json
+import math
 import os
 import shutil
 import signal
@@ -46,6 +48,12 @@ EXIT_TIMEOUT_S = 30
 """tritonserver's --exit-timeout-secs: one budget for a stopping server to wait for its open HTTP
 connections and then for its models to unload. It must exceed the models' drain_timeout
 (engine.json, default 20 s), which the model spends letting requests in flight finish."""
+DEFAULT_DRAIN_TIMEOUT_S = 20.0
+"""LimitsConfig.drain_timeout's default (core/config.py; tests/test_triton_shutdown.py checks they
+agree), for an engine.json that sets none: read here without importing the engine."""
+STOP_GRACE_S = 1.0
+"""How long `pagedserve triton` lets tritonserver run past the longest drain_timeout of its models
+after passing on a stop signal, before it ends it (see _wait_for_exit)."""
 
 
 def wheel_dir() -> Path:
@@ -170,6 +178,13 @@ class TritonServer:
             self.shutdown_notice.touch()
         self.process.send_signal(sig)
 
+    def kill(self) -> None:
+        """End tritonserver and its stubs at once (SIGKILL to its session: the stubs ignore SIGTERM)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
     def stop(self, timeout: float = EXIT_TIMEOUT_S + 10) -> None:
         # SIGINT to tritonserver alone: it unloads the models, whose stubs then exit. The rest of its
         # group is only what it could not end (it crashed or was killed): see stop_process_group.
@@ -258,6 +273,8 @@ class SignalForwarder:
 
     def __init__(self) -> None:
         self.received: list[int] = []
+        self.first_at: float | None = None
+        """time.monotonic() of the first signal."""
         self._pending: list[int] = []
         self._server: TritonServer | None = None
         self._previous = {sig: signal.getsignal(sig) for sig in self.SENT_AS}
@@ -266,6 +283,8 @@ class SignalForwarder:
                 signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, _frame) -> None:
+        if not self.received:
+            self.first_at = time.monotonic()
         self.received.append(signum)
         if self._server is None:
             self._pending.append(signum)
@@ -324,9 +343,47 @@ pagedserve is serving on tritonserver (Ctrl-C stops it):
             print(f"pagedserve triton: {exc}", file=sys.stderr)
         server.stop()
         return 1
-    code = server.process.wait()
+    code = _wait_for_exit(server, forwarder, longest_drain_timeout(Path(args.model_repository), args.load_model))
     server.stop()
     return 0 if forwarder.received else code
+
+
+def longest_drain_timeout(repository: Path, models: list[str] | None) -> float:
+    """The longest drain_timeout of the models served from `repository` (every engine.json of
+    theirs; DEFAULT_DRAIN_TIMEOUT_S where one sets none or cannot be read: the model itself then
+    fails its load and drains nothing)."""
+    longest = 0.0
+    for engine_json in repository.glob("*/*/engine.json"):
+        if models and engine_json.parent.parent.name not in models:
+            continue
+        try:
+            value = json.loads(engine_json.read_text()).get("drain_timeout", DEFAULT_DRAIN_TIMEOUT_S)
+            longest = max(longest, float(value))
+        except (OSError, ValueError, TypeError, AttributeError):
+            longest = max(longest, DEFAULT_DRAIN_TIMEOUT_S)
+    return longest or DEFAULT_DRAIN_TIMEOUT_S
+
+
+def _wait_for_exit(server: TritonServer, forwarder: SignalForwarder, drain_timeout: float) -> int:
+    """tritonserver's exit status. Once a stop signal has been passed on, the models end every
+    request still open by drain_timeout (the notice reaches them at once); what tritonserver waits
+    for after that holds nothing a client still needs, and can keep it running indefinitely: an
+    open gRPC stream, even one idle since its last request ended, keeps the model loaded (the
+    stream keeps its last request, which refers to the model) until its client closes it, past the
+    exit timeout too (Triton 2.51's gRPC Server::Stop waits for every open call with no deadline).
+    So STOP_GRACE_S past the longest drain_timeout the launcher ends the server's session itself."""
+    while True:
+        deadline = None if forwarder.first_at is None else forwarder.first_at + drain_timeout + STOP_GRACE_S
+        try:  # in steps: a signal's handler runs between them (a blocking wait would not see its time)
+            step = 0.1 if deadline is None else min(max(deadline - time.monotonic(), 0.0), 0.1)
+            return server.process.wait(timeout=step)
+        except subprocess.TimeoutExpired:
+            if deadline is not None and time.monotonic() >= deadline:
+                print(f"pagedserve triton: tritonserver still runs {drain_timeout + STOP_GRACE_S:g} s after the stop "
+                      f"signal, though its models' drain period ({drain_timeout:g} s) is over: it waits for clients to "
+                      "close idle streams or connections; ending it", file=sys.stderr, flush=True)
+                server.kill()
+                return server.process.wait()
 
 
 if __name__ == "__main__":
