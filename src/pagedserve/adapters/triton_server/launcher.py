@@ -23,7 +23,6 @@ import argparse
 import glob
 import importlib.util
 import json
-import math
 import os
 import shutil
 import signal
@@ -343,7 +342,8 @@ pagedserve is serving on tritonserver (Ctrl-C stops it):
             print(f"pagedserve triton: {exc}", file=sys.stderr)
         server.stop()
         return 1
-    code = _wait_for_exit(server, forwarder, longest_drain_timeout(Path(args.model_repository), args.load_model))
+    drain_timeout = longest_drain_timeout(Path(args.model_repository), args.load_model)
+    code = _wait_for_exit(server, forwarder, drain_timeout)
     server.stop()
     return 0 if forwarder.received else code
 
@@ -379,9 +379,9 @@ def _wait_for_exit(server: TritonServer, forwarder: SignalForwarder, drain_timeo
             return server.process.wait(timeout=step)
         except subprocess.TimeoutExpired:
             if deadline is not None and time.monotonic() >= deadline:
-                print(f"pagedserve triton: tritonserver still runs {drain_timeout + STOP_GRACE_S:g} s after the stop "
-                      f"signal, though its models' drain period ({drain_timeout:g} s) is over: it waits for clients to "
-                      "close idle streams or connections; ending it", file=sys.stderr, flush=True)
+                print(f"pagedserve triton: tritonserver still runs {drain_timeout + STOP_GRACE_S:g} s after the "
+                      f"stop signal, though its models' drain period ({drain_timeout:g} s) is over: it waits for "
+                      "clients to close idle streams or connections; ending it", file=sys.stderr, flush=True)
                 server.kill()
                 return server.process.wait()
 
