@@ -50,7 +50,7 @@ connections and then for its models to unload. It must exceed the models' drain_
 DEFAULT_DRAIN_TIMEOUT_S = 20.0
 """LimitsConfig.drain_timeout's default (core/config.py; tests/test_triton_shutdown.py checks they
 agree), for an engine.json that sets none: read here without importing the engine."""
-STOP_GRACE_S = 1.0
+STOP_GRACE_S = 0.5
 """How long `pagedserve triton` lets tritonserver run past the longest drain_timeout of its models
 after passing on a stop signal, before it ends it (see _wait_for_exit)."""
 
