@@ -1,7 +1,7 @@
 """server_watch: the TCP ports a process listens on, read from /proc, checked against what the
 process itself says of its sockets (their fds and inodes, from os.fstat); the watch the Triton
 model polls, which reports a shutdown once a port seen open is gone, and never before; and the
-model-control mode read from a process's command line."""
+model-control mode read from a process's command line; the launcher's shutdown notice."""
 
 from __future__ import annotations
 
@@ -128,6 +128,18 @@ def test_a_server_without_open_ports_is_not_shutting_down(server):
     assert watch.shutting_down() is False and watch.shutting_down() is False
     server.tell("close", "http")
     assert watch.shutting_down() is True
+
+
+def test_the_launchers_notice_is_seen_while_every_port_is_still_open(server, tmp_path):
+    """`pagedserve triton` announces a stop by creating the notice file before it signals
+    tritonserver, whose HTTP port may stay open for its whole exit timeout (an SSE stream open)."""
+    notice = tmp_path / "shutting-down"
+    watch = ServerShutdownWatch(server.process.pid, str(notice))
+    assert not watch.noticed() and watch.shutting_down() is False
+    notice.touch()
+    assert watch.noticed()
+    assert watch.shutting_down() is False  # the ports say nothing yet
+    assert not ServerShutdownWatch(server.process.pid).noticed()  # no notice named: none seen
 
 
 @pytest.mark.parametrize("args,explicit", [

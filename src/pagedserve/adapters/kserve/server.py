@@ -128,8 +128,24 @@ def main(argv: list[str] | None = None) -> int:
     if model.engine_failed:
         print("pagedserve kserve: the engine failed; exiting so that the platform restarts the server",
               file=sys.stderr)
-        return 1
-    return 0
+        _exit_without_teardown(1)
+    _exit_without_teardown(0)
+    return 0  # not reached
+
+
+def _exit_without_teardown(code: int) -> None:
+    """Exit once the servers have stopped and the engine is shut down (kserve unloads the model,
+    whose stop() ends the engine thread), skipping the interpreter's own teardown: freeing torch,
+    transformers and the engine's objects one by one returns nothing to the system that the exit
+    does not, and it took 4-5 s of an idle server's 4.3-5.4 s from SIGTERM to exit here (the
+    servers were down 0.1 s after the signal). Logs and output are flushed first."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream has nothing to flush
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":

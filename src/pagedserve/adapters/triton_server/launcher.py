@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import glob
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.adapters.child_process import stop_process_group
-from pagedserve.adapters.triton_server.engine_config import MODEL_OVERRIDE_ENV
+from pagedserve.adapters.triton_server.engine_config import MODEL_OVERRIDE_ENV, SHUTDOWN_NOTICE_ENV
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 """The shipped repository (one model, pagedserve): src/pagedserve/model_repository/ of a checkout, or the
@@ -46,6 +47,12 @@ EXIT_TIMEOUT_S = 30
 """tritonserver's --exit-timeout-secs: one budget for a stopping server to wait for its open HTTP
 connections and then for its models to unload. It must exceed the models' drain_timeout
 (engine.json, default 20 s), which the model spends letting requests in flight finish."""
+DEFAULT_DRAIN_TIMEOUT_S = 20.0
+"""LimitsConfig.drain_timeout's default (core/config.py; tests/test_triton_shutdown.py checks they
+agree), for an engine.json that sets none: read here without importing the engine."""
+STOP_GRACE_S = 0.5
+"""How long `pagedserve triton` lets tritonserver run past the longest drain_timeout of its models
+after passing on a stop signal, before it ends it (see _wait_for_exit)."""
 
 
 def wheel_dir() -> Path:
@@ -88,20 +95,28 @@ def make_backend_dir(root: Path) -> Path:
     return root
 
 
-def server_env(base: dict[str, str] | None = None, model_override: str | None = None) -> dict[str, str]:
+def server_env(base: dict[str, str] | None = None, model_override: str | None = None,
+               shutdown_notice: Path | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     env["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
     if model_override:
         env[MODEL_OVERRIDE_ENV] = model_override
+    if shutdown_notice is not None:
+        env[SHUTDOWN_NOTICE_ENV] = str(shutdown_notice)
     return env
 
 
 @dataclass
 class TritonServer:
     """A running tritonserver, in a session of its own; `stop()` ends it and every process it started
-    (its Python backend stubs) and removes its /dev/shm regions."""
+    (its Python backend stubs) and removes its /dev/shm regions.
+
+    Stop it through `send_stop_signal()` (or `stop()`), not by signalling the process alone: that
+    first creates the shutdown notice its models watch, so that they start draining at once.
+    tritonserver tells its models of a shutdown only once every HTTP connection has closed (an open
+    SSE stream holds it up to the exit timeout) and every stream has ended (server_watch.py)."""
 
     process: subprocess.Popen
     host: str
@@ -112,6 +127,8 @@ class TritonServer:
     backend_dir: tempfile.TemporaryDirectory
     log_path: Path | None = None
     models: list[str] = field(default_factory=list)
+    shutdown_notice: Path | None = None
+    """The file whose existence tells the models that the server is stopping (SHUTDOWN_NOTICE_ENV)."""
 
     @property
     def http_url(self) -> str:
@@ -153,9 +170,25 @@ class TritonServer:
         tail = self.log_path.read_text(errors="replace").splitlines()[-30:]
         return f"; last log lines ({self.log_path}):\n" + "\n".join(tail)
 
+    def send_stop_signal(self, sig: int = signal.SIGTERM) -> None:
+        """Begin a graceful stop: the models' notice first (they refuse new requests and give those
+        in flight drain_timeout), then `sig` (SIGTERM or SIGINT) to tritonserver."""
+        if self.shutdown_notice is not None and self.process.poll() is None:
+            self.shutdown_notice.touch()
+        self.process.send_signal(sig)
+
+    def kill(self) -> None:
+        """End tritonserver and its stubs at once (SIGKILL to its session: the stubs ignore SIGTERM)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
     def stop(self, timeout: float = EXIT_TIMEOUT_S + 10) -> None:
         # SIGINT to tritonserver alone: it unloads the models, whose stubs then exit. The rest of its
         # group is only what it could not end (it crashed or was killed): see stop_process_group.
+        if self.shutdown_notice is not None and self.process.poll() is None:
+            self.shutdown_notice.touch()
         stop_process_group(self.process, signal.SIGINT, timeout, kill_timeout=5)
         for region in glob.glob(f"/dev/shm/{self.shm_prefix}*"):
             try:
@@ -177,6 +210,7 @@ def start_server(model_repository: str | Path = DEFAULT_REPOSITORY, *, host: str
     backend_dir = tempfile.TemporaryDirectory(prefix="pagedserve-triton-backends-")
     make_backend_dir(Path(backend_dir.name))
     shm_prefix = f"pagedserve_{uuid.uuid4().hex[:8]}_"
+    shutdown_notice = Path(backend_dir.name) / "shutting-down"
     cmd = [str(wheel_dir() / "bin" / "tritonserver"), f"--model-repository={repository}",
            f"--backend-directory={backend_dir.name}",
            f"--http-address={host}", f"--grpc-address={host}", f"--metrics-address={host}",
@@ -190,12 +224,12 @@ def start_server(model_repository: str | Path = DEFAULT_REPOSITORY, *, host: str
     out = open(log_path, "wb") if log_path else None  # noqa: SIM115 - owned by the child from here on
     # A session of its own: its stubs share its process group, so stop() can end what it leaves
     # behind, and a terminal's Ctrl-C reaches only the launcher, which passes it on once.
-    process = subprocess.Popen(cmd, env=server_env(env, model_override), stdout=out,
+    process = subprocess.Popen(cmd, env=server_env(env, model_override, shutdown_notice), stdout=out,
                                stderr=subprocess.STDOUT if out else None, start_new_session=True)
     if out:
         out.close()
     server = TritonServer(process, host, http_port, grpc_port, metrics_port, shm_prefix, backend_dir,
-                          Path(log_path) if log_path else None, list(models or []))
+                          Path(log_path) if log_path else None, list(models or []), shutdown_notice)
     if wait:
         try:
             server.wait_ready(timeout)
@@ -226,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class SignalForwarder:
-    """Passes the signals that stop `pagedserve triton` on to tritonserver. Installed before the
+    """Passes the signals that stop `pagedserve triton` on to tritonserver (with the models' shutdown
+    notice first: TritonServer.send_stop_signal). Installed before the
     server starts, so no signal finds the launcher without its handler (it would die and leave the
     server running); one that comes before the server exists is sent as soon as it does. A hangup
     (the terminal closed) becomes SIGTERM: tritonserver handles INT and TERM only. Under nohup,
@@ -237,27 +272,31 @@ class SignalForwarder:
 
     def __init__(self) -> None:
         self.received: list[int] = []
+        self.first_at: float | None = None
+        """time.monotonic() of the first signal."""
         self._pending: list[int] = []
-        self._process: subprocess.Popen | None = None
+        self._server: TritonServer | None = None
         self._previous = {sig: signal.getsignal(sig) for sig in self.SENT_AS}
         for sig in self.SENT_AS:
             if sig != signal.SIGHUP or self._previous[sig] is not signal.SIG_IGN:
                 signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, _frame) -> None:
+        if not self.received:
+            self.first_at = time.monotonic()
         self.received.append(signum)
-        if self._process is None:
+        if self._server is None:
             self._pending.append(signum)
         else:
-            self._process.send_signal(self.SENT_AS[signum])
+            self._server.send_stop_signal(self.SENT_AS[signum])
 
-    def attach(self, process: subprocess.Popen) -> None:
-        """From now on signals go to `process`; those that came before go now. Handlers run on this
+    def attach(self, server: TritonServer) -> None:
+        """From now on signals go to `server`; those that came before go now. Handlers run on this
         thread between bytecodes, so each signal is sent exactly once: by the handler once
-        `_process` is set, or from `_pending` here."""
-        self._process = process
+        `_server` is set, or from `_pending` here."""
+        self._server = server
         while self._pending:
-            process.send_signal(self.SENT_AS[self._pending.pop(0)])
+            server.send_stop_signal(self.SENT_AS[self._pending.pop(0)])
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -278,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         server = start_server(args.model_repository, host=args.host, http_port=args.http_port,
                               grpc_port=args.grpc_port, metrics_port=args.metrics_port, models=args.load_model,
                               model_override=args.model, extra_args=extra, wait=False)
-        forwarder.attach(server.process)
+        forwarder.attach(server)
         return _serve(server, args, forwarder)
     finally:
         forwarder.restore()
@@ -303,9 +342,48 @@ pagedserve is serving on tritonserver (Ctrl-C stops it):
             print(f"pagedserve triton: {exc}", file=sys.stderr)
         server.stop()
         return 1
-    code = server.process.wait()
+    drain_timeout = longest_drain_timeout(Path(args.model_repository), args.load_model)
+    code = _wait_for_exit(server, forwarder, drain_timeout)
     server.stop()
     return 0 if forwarder.received else code
+
+
+def longest_drain_timeout(repository: Path, models: list[str] | None) -> float:
+    """The longest drain_timeout of the models served from `repository` (every engine.json of
+    theirs; DEFAULT_DRAIN_TIMEOUT_S where one sets none or cannot be read: the model itself then
+    fails its load and drains nothing)."""
+    longest = 0.0
+    for engine_json in repository.glob("*/*/engine.json"):
+        if models and engine_json.parent.parent.name not in models:
+            continue
+        try:
+            value = json.loads(engine_json.read_text()).get("drain_timeout", DEFAULT_DRAIN_TIMEOUT_S)
+            longest = max(longest, float(value))
+        except (OSError, ValueError, TypeError, AttributeError):
+            longest = max(longest, DEFAULT_DRAIN_TIMEOUT_S)
+    return longest or DEFAULT_DRAIN_TIMEOUT_S
+
+
+def _wait_for_exit(server: TritonServer, forwarder: SignalForwarder, drain_timeout: float) -> int:
+    """tritonserver's exit status. Once a stop signal has been passed on, the models end every
+    request still open by drain_timeout (the notice reaches them at once); what tritonserver waits
+    for after that holds nothing a client still needs, and can keep it running indefinitely: an
+    open gRPC stream, even one idle since its last request ended, keeps the model loaded (the
+    stream keeps its last request, which refers to the model) until its client closes it, past the
+    exit timeout too (Triton 2.51's gRPC Server::Stop waits for every open call with no deadline).
+    So STOP_GRACE_S past the longest drain_timeout the launcher ends the server's session itself."""
+    while True:
+        deadline = None if forwarder.first_at is None else forwarder.first_at + drain_timeout + STOP_GRACE_S
+        try:  # in steps: a signal's handler runs between them (a blocking wait would not see its time)
+            step = 0.1 if deadline is None else min(max(deadline - time.monotonic(), 0.0), 0.1)
+            return server.process.wait(timeout=step)
+        except subprocess.TimeoutExpired:
+            if deadline is not None and time.monotonic() >= deadline:
+                print(f"pagedserve triton: tritonserver still runs {drain_timeout + STOP_GRACE_S:g} s after the "
+                      f"stop signal, though its models' drain period ({drain_timeout:g} s) is over: it waits for "
+                      "clients to close idle streams or connections; ending it", file=sys.stderr, flush=True)
+                server.kill()
+                return server.process.wait()
 
 
 if __name__ == "__main__":

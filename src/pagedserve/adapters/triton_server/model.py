@@ -13,10 +13,10 @@ model_repository/<name>/1/model.py imports this class. Per model instance (one s
 * Every request ends with exactly one response flagged FINAL: the last data response on success,
   else a TritonError (the caller's mistake, an engine failure, or CANCELLED).
 * Drain: Triton calls finalize() only once the streams in flight have ended, so the watcher
-  notices a server shutdown (SIGTERM, SIGINT) itself: once tritonserver closes its HTTP port
-  (server_watch.py: read from /proc, Triton is not asked), it lets the requests in flight run for
-  drain_timeout and then ends the rest with UNAVAILABLE. Triton itself already refuses new
-  requests then. finalize() drains the same way (an unload through Triton's API: it comes once
+  notices a server shutdown (SIGTERM, SIGINT) itself: within 0.1 s of `pagedserve triton`'s
+  shutdown notice, or once tritonserver closes its HTTP port (server_watch.py: read from /proc,
+  Triton is not asked), it refuses new requests, lets those in flight run for drain_timeout and
+  then ends the rest with UNAVAILABLE. finalize() drains the same way (an unload through Triton's API: it comes once
   the streams have ended).
 * A dead engine (repeated step failures) unloads the model (pb_utils.unload_model, as
   vllm_backend does), so readiness reports it: only in explicit model-control mode, read from
@@ -50,7 +50,8 @@ from pagedserve.adapters.triton_server.codec import timeout_seconds
 from pagedserve.adapters.triton_server.contracts import (ALL_INPUTS, Contract, ContractRequest, contract_from_config,
                                                          select_contract)
 from pagedserve.adapters.triton_server.errors import cancelled_error, to_triton_error
-from pagedserve.adapters.triton_server.engine_config import ENGINE_JSON, MODEL_OVERRIDE_ENV, load_engine_config
+from pagedserve.adapters.triton_server.engine_config import (ENGINE_JSON, MODEL_OVERRIDE_ENV, SHUTDOWN_NOTICE_ENV,
+                                                             load_engine_config)
 from pagedserve.adapters.triton_server.metrics import TritonEngineMetrics
 from pagedserve.adapters.triton_server.server_watch import ServerShutdownWatch, explicit_model_control
 from pagedserve.core.async_engine import AsyncLLMEngine
@@ -134,7 +135,8 @@ class TritonPythonModel:
         self.engine = AsyncLLMEngine(config)
         self._ids = itertools.count()
         self._received_request = False
-        self._server = ServerShutdownWatch(os.getppid()) if _in_triton_stub() else None
+        self._server = (ServerShutdownWatch(os.getppid(), os.environ.get(SHUTDOWN_NOTICE_ENV))
+                        if _in_triton_stub() else None)
         """Whether tritonserver (the stub's parent) is shutting down; None outside a stub."""
         self._live: dict[str, _Live] = {}
         """request_id -> its response sender and last cancellation poll; loop thread only."""
@@ -230,6 +232,8 @@ class TritonPythonModel:
                         self.engine.abort(request_id)  # its stream ends with an "abort" output
                 except Exception:  # noqa: BLE001 - keep watching the others
                     logger.exception("pagedserve: cancellation check of %s failed", request_id)
+            if self._drain is None and self._server is not None and self._server.noticed():
+                self._begin_drain("pagedserve triton passed on a signal to stop the server")
             if (self._drain is None and self._server is not None
                     and time.monotonic() - last_shutdown_poll >= SHUTDOWN_POLL_S):
                 last_shutdown_poll = time.monotonic()

@@ -1,4 +1,5 @@
-"""Whether tritonserver has begun to shut down, told by its listening ports, without asking Triton.
+"""Whether tritonserver has begun to shut down, told by the launcher's notice or by its listening
+ports, without asking Triton.
 
 A Python model hears of a shutdown only in finalize(), and Triton calls that only once every
 response factory is released, that is after the streams in flight have ended: to give them
@@ -13,6 +14,16 @@ calls that succeed crashed none).
 What Triton does show: on SIGTERM or SIGINT it closes its HTTP port once the open HTTP connections
 are done, the moment it stops being ready (its gRPC and metrics ports close only at exit). The
 stub's parent is tritonserver, so /proc says when a port it listened on is gone.
+
+That comes too late while an HTTP stream is open: Triton 2.51 (server src/http_server.cc,
+HTTPServer::Stop) first refuses new connections, then waits, in steps of 1 s, until no HTTP
+connection is left or its exit timeout is spent, and only then closes the port. A long SSE stream
+keeps its connection until it ends, so the model would start draining only when the exit timeout
+(30 s) was over and Triton exited under it: every stream still open, gRPC ones too, was cut off
+without a final response. So `pagedserve triton` (launcher.py), which receives the signal, first
+creates a notice file named by SHUTDOWN_NOTICE_ENV and then passes the signal on; the model looks
+for that file every 0.1 s (a stat) and starts draining within that. The ports remain the watch for
+a tritonserver started some other way.
 """
 
 from __future__ import annotations
@@ -87,17 +98,23 @@ def explicit_model_control(pid: int) -> bool | None:
 
 
 class ServerShutdownWatch:
-    """Says whether the server process `pid` has closed a port it listened on while serving.
+    """Says whether the server process `pid` has closed a port it listened on while serving, and
+    whether the launcher's shutdown notice (`notice`, a path) exists.
 
     Triton opens its ports only once its startup models have loaded, all within a few tens of ms:
     the ports are looked up in the socket tables until two looks find the same ones, and from then
     on only their fds are checked."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, notice: str | None = None) -> None:
         self.pid = pid
+        self.notice = notice
         self._ports: dict[str, int] = {}
         self._settled = False
         self._lock = threading.Lock()  # the model looks from its loop thread and from execute()
+
+    def noticed(self) -> bool:
+        """Whether the launcher has announced a shutdown (a stat: a few µs)."""
+        return self.notice is not None and os.path.exists(self.notice)
 
     def shutting_down(self) -> bool | None:
         """True once a port seen open is gone; None where /proc cannot tell."""
