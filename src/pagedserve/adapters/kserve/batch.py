@@ -148,11 +148,13 @@ class BatchRunner:
                 prompts = [self.engine.apply_chat_template([m.as_template_input() for m in req.messages],
                                                            add_generation_prompt=req.add_generation_prompt
                                                            is not False)]
-                renderer = ChatRenderer(f"chatcmpl-{rid}", req.model, decode, params.n, params.logprobs is not None)
+                renderer = ChatRenderer(f"chatcmpl-{rid}", req.model, decode, params.n, params.logprobs is not None,
+                                        want_prompt_logprobs=req.prompt_logprobs is not None)
             else:
                 prompts = req.prompts()
                 renderer = CompletionRenderer(f"cmpl-{rid}", req.model, decode, params.n, params.logprobs is not None,
-                                              bool(req.echo), prompts, req.echo_only)
+                                              bool(req.echo), prompts, req.echo_only,
+                                              want_prompt_logprobs=req.prompt_logprobs is not None)
         except Exception as exc:  # noqa: BLE001 - a bad body is this line's answer, never the job's end
             return error_response(line, exc)
         job = Job(line, renderer, {}, len(prompts) * params.n)
