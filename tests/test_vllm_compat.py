@@ -31,7 +31,7 @@ from tests.kserve_server import start_server as start_kserve, with_chat_template
 from tests.oracle import hf_processed_greedy, hf_prompt_logprobs
 from tests.triton_helpers import GrpcStream, grpc_request, http_post, text_inputs, wait_for
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(900)  # server start included: minutes on a loaded shared machine
 
 MODEL = "tiny"
 KEY = "sekret-key"
