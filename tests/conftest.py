@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,9 @@ from tests.tiny_models import build_tiny_model
 # it saves on them; with servers started by other tests beside this process (2 cores) a second
 # thread makes small matmuls up to 1000x slower.
 torch.set_num_threads(1)
+# The same for every engine the tests start, here and in the servers they launch (the variable is
+# inherited): an engine otherwise sets its own count from the CPUs it may use (core/cpu_threads.py).
+os.environ.setdefault("PAGEDSERVE_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -184,7 +184,6 @@ def test_noop_values_change_nothing(client):
 
 @pytest.mark.parametrize("route,fields,param", [
     ("chat/completions", {"response_format": {"type": "grammar"}}, "response_format"),
-    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat/completions", {"tool_choice": "auto"}, "tool_choice"),
     ("chat/completions", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ("chat/completions", {"store": True}, "store"),

@@ -25,10 +25,11 @@ PLATFORMS = ("tritonserver", "triton_python_backend_utils", "tritonclient", "pyt
 
 
 def sources(folder: str) -> list[Path]:
-    """The Python files of a package folder (src/pagedserve/<folder>) or of bench/ and tests/."""
+    """The Python files of a package folder (src/pagedserve/<folder>) or of bench/ and tests/; not
+    those of hidden folders (bench/.peer-venv, the vLLM virtualenv a benchmark installs)."""
     base = ROOT / folder if folder in ("bench", "tests") else PACKAGE / folder
     assert base.is_dir(), base
-    return sorted(base.rglob("*.py"))
+    return sorted(p for p in base.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(base).parts))
 
 
 def imports(path: Path) -> list[tuple[int, str, tuple[str, ...]]]:

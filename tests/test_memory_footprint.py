@@ -81,7 +81,7 @@ def test_a_model_holds_each_weight_once(tiny_model_dir, family, dtype):
     model = engine.runner.model
     tensors = [t for t in _weight_tensors(model) if t is not None]
     # No load buffer of another precision survives loading, rotary tables included.
-    assert {t.dtype for t in tensors} | {model.cos.dtype, model.sin.dtype} == {dtype}
+    assert {t.dtype for t in tensors} | {model.rotary.cos.dtype, model.rotary.sin.dtype} == {dtype}
     storages, held = set(), 0
     for t in tensors:
         if t.is_mkldnn:  # oneDNN's blocked copy: opaque storage, its own bytes

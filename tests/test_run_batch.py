@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 
 from pagedserve.adapters.kserve.batch import main as run_batch_main
@@ -179,6 +180,10 @@ def test_cli_a_bad_engine_config_is_one_clear_error(tmp_path, capsys, text, mess
     assert err.count("pagedserve run-batch: error:") == 1 and str(cfg) in err and message in err
 
 
+CITY_TOOL = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+
+
 @pytest.mark.slow
 def test_chat_lines_on_the_default_model_from_the_pagedserve_command(tmp_path):
     import subprocess
@@ -191,6 +196,10 @@ def test_chat_lines_on_the_default_model_from_the_pagedserve_command(tmp_path):
                   "max_tokens": 24, "temperature": 0}},
         {"custom_id": "chat-2", "method": "POST", "url": "/v1/chat/completions",
          "body": {"model": "SmolLM2", "messages": [{"role": "user", "content": "hi"}], "tools": [{"x": 1}]}},
+        {"custom_id": "chat-3", "method": "POST", "url": "/v1/chat/completions",  # a forced call, as the server
+         "body": {"model": "SmolLM2", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                  "tools": [CITY_TOOL], "tool_choice": {"type": "function", "function": {"name": "weather"}},
+                  "max_tokens": 40, "temperature": 0}},
     ])
     proc = subprocess.run([sys.executable, "-m", "pagedserve.adapters.cli", "run-batch", "-i", str(inp), "-o", str(out),
                            "--model", "default", "--max-model-len", "512", "--no-progress"],
@@ -203,3 +212,6 @@ def test_chat_lines_on_the_default_model_from_the_pagedserve_command(tmp_path):
     assert sum(c in text for c in ("red", "blue", "yellow", "green")) >= 2
     assert recs["chat-2"]["response"]["status_code"] == 400
     assert "tools" in recs["chat-2"]["response"]["body"]["error"]["message"]
+    (call,) = recs["chat-3"]["response"]["body"]["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), CITY_TOOL["function"]["parameters"])

@@ -58,6 +58,39 @@ def _config(family: str):
         return Qwen2Config(**{**common, "num_attention_heads": 6, "hidden_size": 96})
     if family == "qwen3":
         return Qwen3Config(**{**common, "head_dim": 32})
+    return _config_new_families(family, common)
+
+
+# Rope scaling and the Gemma / Phi-3 families: every config below makes its feature matter for
+# prompts of 3..90 tokens plus generation (windows shorter than the prompt, positions past
+# original_max_position_embeddings, softcaps below the scores they cap).
+def _config_new_families(family: str, common: dict):
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen2Config
+
+    if family == "qwen2-yarn":  # Qwen2.5 past 32k: yarn, factor 4 over an original 32 positions
+        return Qwen2Config(**{**common, "num_attention_heads": 6, "hidden_size": 96},
+                           rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
+    if family == "llama-dynamic":  # dynamic NTK past max_position_embeddings=48
+        return LlamaConfig(**{**common, "max_position_embeddings": 48},
+                           rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    gemma = dict(common, num_attention_heads=4, num_key_value_heads=2, head_dim=256, pad_token_id=0,
+                 bos_token_id=2, eos_token_id=1, tie_word_embeddings=True)
+    if family == "gemma3":
+        # Two local layers, one global, one local; local theta 10k, global 1M with linear scaling.
+        return Gemma3TextConfig(
+            **{**gemma, "num_hidden_layers": 4}, query_pre_attn_scalar=64, sliding_window=16,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    if family == "gemma2":
+        return Gemma2Config(**{**gemma, "head_dim": 32}, query_pre_attn_scalar=24, sliding_window=16,
+                            attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    if family == "phi3":  # longrope past 32 positions, half of each head rotating, a 48-token window
+        rot = 8  # head_dim 16 * partial_rotary_factor 0.5
+        return Phi3Config(**{**common, "pad_token_id": 0}, partial_rotary_factor=0.5, sliding_window=48,
+                          original_max_position_embeddings=32,
+                          rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(rot // 2)],
+                                        "long_factor": [2.0 + 3.0 * i for i in range(rot // 2)]})
     raise ValueError(family)
 
 

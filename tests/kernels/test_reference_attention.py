@@ -30,12 +30,14 @@ TOLERANCES = {
 MIXED = [(0, 37), (40, 1), (33, 0), (0, 1), (63, 1), (17, 25), (150, 1), (0, 0), (96, 160), (5, 1), (31, 2)]
 
 
-def dense_attention(q, k, v, context, scale, window):
+def dense_attention(q, k, v, context, scale, window, softcap=None):
     """float64 oracle. q: [q_len, H, D]; k, v: [seq_len, Hkv, D] unpaged; queries start at `context`."""
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if softcap is not None:  # Gemma 2: transformers' eager attention caps before the mask
+        scores = torch.tanh(scores / softcap) * softcap
     q_pos = torch.arange(context, context + q.shape[0])[:, None]
     k_pos = torch.arange(k.shape[0])[None, :]
     allowed = k_pos <= q_pos
@@ -79,17 +81,30 @@ def make_batch(specs, *, num_kv_heads, group, head_dim, block_size, dtype, seed=
     ), (keys, values, queries)
 
 
-def check(specs, *, num_kv_heads, group, head_dim, block_size, dtype=torch.float32, window=None, seed=0):
+def check(specs, *, num_kv_heads, group, head_dim, block_size, dtype=torch.float32, window=None, seed=0,
+          softcap=None, scale=None):
     args, (keys, values, queries) = make_batch(
         specs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, block_size=block_size,
         dtype=dtype, seed=seed)
-    scale = head_dim**-0.5
-    out = paged_attention(**args, scale=scale, sliding_window=window)
+    scale = scale or head_dim**-0.5
+    out = paged_attention(**args, scale=scale, sliding_window=window, softcap=softcap)
     assert out.shape == args["query"].shape and out.dtype == dtype
     expected = torch.cat([
-        dense_attention(q, k, v, c, scale, window) for (c, _), q, k, v in zip(specs, queries, keys, values)
+        dense_attention(q, k, v, c, scale, window, softcap) for (c, _), q, k, v in zip(specs, queries, keys, values)
     ])
     torch.testing.assert_close(out.double(), expected, **TOLERANCES[dtype])
+    return out
+
+
+@pytest.mark.parametrize("head_dim,window,softcap", [(64, None, 1.0), (64, 7, 2.0), (256, 20, None), (256, 20, 3.0)])
+def test_gemma_options(head_dim, window, softcap):
+    """Softcapped scores (Gemma 2), head_dim 256 with a window shorter than the prompts and a scale
+    other than head_dim ** -0.5 (Gemma 3's query_pre_attn_scalar); the caps sit below this batch's
+    scaled scores, so capping changes the output."""
+    kw = dict(num_kv_heads=2, group=2, head_dim=head_dim, block_size=16, window=window, seed=3, scale=3 * head_dim**-0.5)
+    out = check(MIXED, softcap=softcap, **kw)
+    if softcap is not None:
+        assert (out - check(MIXED, **kw)).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize(

@@ -64,10 +64,10 @@ def force_splits(monkeypatch):
     return force
 
 
-def run_both(args, scale, window=None):
-    ref = reference.paged_attention(**args, scale=scale, sliding_window=window)
+def run_both(args, scale, window=None, softcap=None):
+    ref = reference.paged_attention(**args, scale=scale, sliding_window=window, softcap=softcap)
     dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-    out = tri.paged_attention(**dev, scale=scale, sliding_window=window)
+    out = tri.paged_attention(**dev, scale=scale, sliding_window=window, softcap=softcap)
     assert out.shape == ref.shape and out.dtype == ref.dtype and out.device == DEVICE
     assert torch.isfinite(ref).all()
     return out.cpu(), ref
@@ -117,6 +117,24 @@ def test_attention_sliding_window(force_splits, window, splits):
                             block_size=16, seed=3)
     out, ref = run_both(args, 0.125, window)
     torch.testing.assert_close(out, ref, **ATTN_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("head_dim,window,softcap,splits", [(32, None, 1.5, 1), (64, 7, 2.0, 3), (256, 20, None, 2),
+                                                       (256, 20, 3.0, 1)])
+def test_attention_gemma_options(force_splits, head_dim, window, softcap, splits):
+    """Gemma's attention: scores softcapped (Gemma 2; caps below the scaled scores of this batch,
+    so the cap acts), head_dim 256 and a window shorter than the prompts (Gemma 3), a scale that
+    is not head_dim ** -0.5 (query_pre_attn_scalar)."""
+    force_splits(splits)
+    specs = [(0, 30), (70, 1), (40, 20), (3, 1)]
+    args, _ = make_kv_batch(specs, cache_dtype=torch.float32, num_kv_heads=2, group=2, head_dim=head_dim,
+                            block_size=16, seed=4)
+    scale = 1.5 * head_dim**-0.5
+    out, ref = run_both(args, scale, window, softcap)
+    torch.testing.assert_close(out, ref, **ATTN_TOL[torch.float32])
+    if softcap is not None:  # the cap changed the result: it was exercised
+        uncapped = reference.paged_attention(**args, scale=scale, sliding_window=window)
+        assert (uncapped - ref).abs().max() > 1e-2
 
 
 def test_attention_long_decodes_split_k(force_splits):

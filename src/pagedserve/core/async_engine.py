@@ -32,6 +32,7 @@ MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row it gives up and is dead.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import queue
 import threading
@@ -251,13 +252,15 @@ class AsyncLLMEngine:
         """The text of token ids (special tokens included), e.g. one logprob entry's token."""
         return self._tokenizer.decode(list(token_ids))
 
-    async def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Chat messages ([{"role", "content"}, ...]) rendered with the model's template, on the
-        tokenizer pool. Refuses, before rendering, contents longer than any prompt can be
-        (RequestTooLong); InvalidRequest for malformed messages or a model without a template."""
-        self._engine.check_prompt_chars(sum(len(m["content"]) for m in messages
-                                            if isinstance(m, dict) and isinstance(m.get("content"), str)))
-        return await self._on_tokenizer_pool(self._engine.apply_chat_template, messages, add_generation_prompt)
+    async def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                                  tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """Chat messages ([{"role", "content"}, ...], tool calls and tool messages included) and the
+        function definitions (`tools`) rendered with the model's template, on the tokenizer pool.
+        Refuses, before rendering, contents longer than any prompt can be (RequestTooLong);
+        InvalidRequest for malformed messages or a model without a template."""
+        self._engine.check_prompt_chars(_chat_chars(messages, tools))
+        return await self._on_tokenizer_pool(self._engine.apply_chat_template, messages, add_generation_prompt,
+                                             tools)
 
     async def _on_tokenizer_pool(self, fn, *args):
         try:
@@ -394,3 +397,14 @@ class AsyncLLMEngine:
                 break
             if isinstance(cmd, _Add):
                 cmd.stream.put(self._closed_error())
+
+
+def _chat_chars(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> int:
+    """Characters a chat brings into its prompt (contents, earlier calls, function definitions),
+    counted without rendering: a bound for refusing one that cannot fit."""
+    chars = len(json.dumps(list(tools), default=str)) if tools else 0
+    for m in messages:
+        if isinstance(m, dict):
+            chars += len(m["content"]) if isinstance(m.get("content"), str) else 0
+            chars += len(json.dumps(m["tool_calls"], default=str)) if m.get("tool_calls") else 0
+    return chars

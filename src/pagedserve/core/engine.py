@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 from pagedserve.core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from pagedserve.core.cpu_threads import ThreadPlan, thread_plan
+from pagedserve.core.thread_governor import ThreadGovernor, name_compute_threads
 from pagedserve.core.errors import ConfigError, DuplicateRequest, InvalidRequest, RequestTooLong
 from pagedserve.core.kv_cache.cache_tensors import KVCacheSpec, make_kv_cache_spec
 from pagedserve.core.kv_cache.manager import KVCacheManager, cdiv
@@ -87,12 +89,13 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
         mark("config and tokenizer")
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
-        if self.max_model_len > self.arch.max_position_embeddings and self.arch.rope_scaling is None:
+        if self.max_model_len > self.arch.max_position_embeddings and not self.arch.rope_extends_context:
             raise ConfigError(
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
                 f"{self.arch.max_position_embeddings}; lower max_model_len"
             )
         self.eos_token_id = self.arch.eos_token_ids[0] if self.arch.eos_token_ids else self.tokenizer.eos_token_id
+        self.threads = self._start_threads()
         if self.device.type == "cpu":
             bound_onednn_caches()  # before the first oneDNN primitive: packing the weights
         kernels = select_attention_backend(mc.attention_backend, self.device)
@@ -128,6 +131,19 @@ class LLMEngine:
         logger.info("pagedserve engine: %s on %s in %s, %d KV blocks of %d tokens; loaded in %.2fs (%s)",
                     self.model_path, self.device, self.dtype, self.num_kv_blocks, cc.block_size,
                     time.perf_counter() - started, ", ".join(f"{k} {v:.2f}s" for k, v in self.load_seconds.items()))
+
+    def _start_threads(self) -> ThreadGovernor:
+        """The compute threads: what the process may use (core/cpu_threads.py), adjusted while it
+        runs to the cores other work leaves (core/thread_governor.py). Set here, on the thread that
+        will step the engine: an OpenMP thread count belongs to the thread that sets it."""
+        if self.device.type != "cpu":
+            return ThreadGovernor(ThreadPlan(torch.get_num_threads(), False, "not a CPU engine"), torch.set_num_threads)
+        plan = thread_plan()
+        named = name_compute_threads()  # before the first parallel region starts the workers
+        torch.set_num_threads(plan.start)
+        logger.info("compute threads: %d (%s)%s", plan.start, plan.why,
+                    "; adjusted to the cores other work leaves" if plan.adaptive and plan.start > 1 else "")
+        return ThreadGovernor(plan, torch.set_num_threads, compute_threads_named=named)
 
     def _num_kv_blocks(self, kv_spec: KVCacheSpec) -> int:
         """Blocks that fit the memory budget; a block's bytes include int8/fp8 scales."""
@@ -204,8 +220,12 @@ class LLMEngine:
             words += [w for w in dict.fromkeys((plain, spaced)) if w]
         return dataclasses.replace(params, bad_words_token_ids=tuple(words))
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render chat messages ([{"role": ..., "content": ...}, ...]) with the model's template."""
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """Render chat messages ([{"role": ..., "content": ...}, ...]) with the model's template.
+        A message may carry more keys the template reads (an assistant's `tool_calls`, a tool
+        message's `tool_call_id`); `tools` (function definitions)
+        reach the template as `tools`, and templates that ignore them render as without."""
         if not self.tokenizer.chat_template:
             raise InvalidRequest(f"the model at {self.model_path} has no chat template; send a plain prompt")
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
@@ -213,8 +233,10 @@ class LLMEngine:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise InvalidRequest(f"messages[{i}]: expected {{\"role\": str, \"content\": str}}, got {m!r}")
-        return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        if tools is not None and (isinstance(tools, (str, dict)) or not all(isinstance(t, dict) for t in tools)):
+            raise InvalidRequest(f"tools: expected a list of function definitions, got {tools!r}", param="tools")
+        return self.tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                                  tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def _check_lengths(self, n: int, params: SamplingParams) -> int:
         """Validate prompt length against max_model_len and the pool; return resolved max_tokens."""
@@ -273,6 +295,11 @@ class LLMEngine:
             deadline = time.monotonic() + self.config.limits.request_timeout
         if params.prompt_logprobs is not None:
             use_prefix_cache = False  # every prompt position must run to be scored
+        rope_key = self.runner.model.prefix_cache_key(len(token_ids))
+        if rope_key is not None:
+            # A length-dependent rope (longrope past its original length, dynamic NTK) rotates this
+            # prompt's keys by its length: they may only be shared with prompts rotated alike.
+            cache_salt = f"{cache_salt or ''}\x00{rope_key}"
         if params.structured_output is not None and compiled_grammar is None:
             compiled_grammar = self.structured_output.compiler.compile(params.structured_output)
         leader = None
@@ -318,6 +345,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: end expired requests, schedule, run the batch, sample, apply stop rules,
         detokenize."""
+        self.threads.poll()
         outputs = self._expire_deadlines()
         if not self.scheduler.has_unfinished_requests():  # everything left just timed out
             self._forget_finished(outputs)

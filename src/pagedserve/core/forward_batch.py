@@ -26,6 +26,10 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    rope_lengths: torch.Tensor | None = None
+    """int64 [num_tokens]: max(the token's request's prompt length, position + 1), the sequence
+    length transformers computes a length-dependent rope (longrope, dynamic NTK) for; None for the
+    other rope types (core/layers/rotary.py)."""
 
     @property
     def num_tokens(self) -> int:

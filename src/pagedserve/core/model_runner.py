@@ -59,6 +59,11 @@ class ModelRunner:
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(self.device, non_blocking=True)
 
+        rope_lengths = None
+        if self.model.needs_rope_lengths:
+            prompt_lens = np.fromiter((len(r.prompt_token_ids) for r in reqs), dtype=np.int64, count=len(reqs))
+            rope_lengths = dev(np.maximum(np.repeat(prompt_lens, q_lens), positions + 1))
+
         return ForwardBatch(
             input_ids=dev(input_ids),
             positions=dev(positions),
@@ -69,6 +74,7 @@ class ModelRunner:
             logits_indices=dev(logits_indices),
             max_query_len=int(q_lens.max()),
             max_seq_len=int(seq_lens.max()),
+            rope_lengths=rope_lengths,
         )
 
     @staticmethod

@@ -53,13 +53,14 @@ def check_kv_store_args(key: Tensor, value: Tensor, key_cache: Tensor, value_cac
 
 def check_paged_attention_args(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                                query_start_loc: Tensor, seq_lens: Tensor, max_seq_len: int,
-                               sliding_window: int | None, k_scale: Tensor | None, v_scale: Tensor | None) -> str:
+                               sliding_window: int | None, k_scale: Tensor | None, v_scale: Tensor | None,
+                               softcap: float | None = None) -> str:
     """paged_attention's contract, as far as it holds without reading the metadata's values;
     returns the scale mode.
 
     query: [num_tokens, num_kv_heads * group, head_dim] fp32/bf16/fp16; block_table: int32
     [B, max_blocks]; query_start_loc: int32 [B + 1]; seq_lens: int32 [B]; max_seq_len must fit the
-    block table; sliding_window: None or positive.
+    block table; sliding_window: None or positive; softcap: None or positive.
     """
     check_kv_caches(key_cache, value_cache)
     _, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -75,4 +76,5 @@ def check_paged_attention_args(query: Tensor, key_cache: Tensor, value_cache: Te
     assert max_seq_len <= block_table.shape[1] * block_size, (
         f"block_table holds {block_table.shape[1]} blocks of {block_size}, max_seq_len is {max_seq_len}")
     assert sliding_window is None or sliding_window > 0, f"sliding_window must be positive, got {sliding_window}"
+    assert softcap is None or softcap > 0, f"softcap must be positive, got {softcap}"
     return scale_mode(key_cache, k_scale, v_scale)

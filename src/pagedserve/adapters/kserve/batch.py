@@ -34,7 +34,9 @@ from typing import Any
 
 from pagedserve.adapters.kserve.errors import error_body, model_not_found, to_openai_error
 from pagedserve.adapters.kserve.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from pagedserve.adapters.kserve.responses import ChatRenderer, CompletionRenderer, _Renderer
+from pagedserve.adapters.kserve.responses import CompletionRenderer, _Renderer
+from pagedserve.adapters.kserve.tool_calls import add_tool_call_parser_arg
+from pagedserve.adapters.kserve.tool_responses import chat_renderer
 from pagedserve.core.engine_args import add_engine_args, engine_config_from_args
 from pagedserve.core.validation import parse_json_object
 
@@ -128,9 +130,11 @@ def error_response(line: BatchLine, exc: BaseException, request_id: str | None =
 
 
 class BatchRunner:
-    def __init__(self, engine: Any, served_model_name: str | None) -> None:
+    def __init__(self, engine: Any, served_model_name: str | None, tool_call_parser: str | None = None) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
+        self.tool_call_parser = tool_call_parser
+        """How tool_choice "auto" finds calls (--tool-call-parser); None: "auto" is refused."""
         self.jobs: dict[str, Job] = {}
         """engine request id -> its job."""
         self.output_tokens = 0
@@ -141,16 +145,18 @@ class BatchRunner:
             req = parse_request(URLS[line.url], json.dumps(line.body).encode())
             if self.served_model_name is not None and req.model != self.served_model_name:
                 raise model_not_found(req.model, self.served_model_name)
-            params, engine_kwargs = req.sampling_params(), req.engine_kwargs()
             decode = self.engine.tokenizer.decode
             rid = f"line{line.line_no}"
             if isinstance(req, ChatCompletionRequest):
-                prompts = [self.engine.apply_chat_template([m.as_template_input() for m in req.messages],
+                tools = req.tool_plan(self.tool_call_parser)
+                params, engine_kwargs = req.sampling_params(tools), req.engine_kwargs()
+                prompts = [self.engine.apply_chat_template(req.template_messages(), tools=tools.template_tools,
                                                            add_generation_prompt=req.add_generation_prompt
                                                            is not False)]
-                renderer = ChatRenderer(f"chatcmpl-{rid}", req.model, decode, params.n, params.logprobs is not None,
-                                        want_prompt_logprobs=req.prompt_logprobs is not None)
+                renderer = chat_renderer(f"chatcmpl-{rid}", req.model, decode, params.n, params.logprobs is not None,
+                                         tools, want_prompt_logprobs=req.prompt_logprobs is not None)
             else:
+                params, engine_kwargs = req.sampling_params(), req.engine_kwargs()
                 prompts = req.prompts()
                 renderer = CompletionRenderer(f"cmpl-{rid}", req.model, decode, params.n, params.logprobs is not None,
                                               bool(req.echo), prompts, req.echo_only,
@@ -198,10 +204,10 @@ def read_lines(path: Path) -> list[tuple[int, str]]:
 
 
 def run_batch(engine: Any, input_path: Path, output_path: Path, served_model_name: str | None = None,
-              progress: bool = True, max_queued: int = 4096) -> dict[str, int]:
+              progress: bool = True, max_queued: int = 4096, tool_call_parser: str | None = None) -> dict[str, int]:
     """Run every input line not yet answered in output_path; returns counts."""
     done_keys = completed_keys(output_path)
-    runner = BatchRunner(engine, served_model_name)
+    runner = BatchRunner(engine, served_model_name, tool_call_parser)
     counts = {"lines": 0, "skipped": 0, "succeeded": 0, "failed": 0}
     bar = None
     with output_path.open("a", encoding="utf-8") as out:
@@ -291,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued", type=int, default=4096,
                    help="engine requests queued at once (the scheduling policy orders within them)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_tool_call_parser_arg(p)
     return p
 
 
@@ -315,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = LLMEngine(batch_engine_config(args))
         counts = run_batch(engine, input_path, output_path, args.served_model_name, not args.no_progress,
-                           args.max_queued)
+                           args.max_queued, args.tool_call_parser)
     except (PagedServeError, BadLine) as exc:
         print(f"pagedserve run-batch: error: {exc}", file=sys.stderr)
         return 2

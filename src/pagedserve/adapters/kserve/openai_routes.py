@@ -27,7 +27,8 @@ from pagedserve.adapters.kserve.errors import (OpenAIError, error_body, error_he
                                                to_openai_error)
 from pagedserve.adapters.kserve.guards import request_timeout
 from pagedserve.adapters.kserve.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from pagedserve.adapters.kserve.responses import ChatRenderer, CompletionRenderer, StreamUsage, _Renderer
+from pagedserve.adapters.kserve.responses import CompletionRenderer, StreamUsage, _Renderer
+from pagedserve.adapters.kserve.tool_responses import chat_renderer
 from pagedserve.core.async_engine import AsyncLLMEngine
 from pagedserve.core.errors import PagedServeError
 from pagedserve.core.outputs import RequestOutput
@@ -114,10 +115,13 @@ async def _collect(outputs: AsyncIterator[Output], renderer: _Renderer) -> None:
 
 
 class OpenAIServing:
-    def __init__(self, model_name: str, get_engine: Callable[[], AsyncLLMEngine | None]) -> None:
+    def __init__(self, model_name: str, get_engine: Callable[[], AsyncLLMEngine | None],
+                 tool_call_parser: str | None = None) -> None:
         self.model_name = model_name
         self._get_engine = get_engine
         """Returns the engine once it has warmed up, None while it loads."""
+        self.tool_call_parser = tool_call_parser
+        """--tool-call-parser: how tool_choice "auto" finds calls in the text (None: "auto" is refused)."""
         self.created = int(time.time())
 
     def register(self, app: FastAPI) -> None:
@@ -184,15 +188,16 @@ class OpenAIServing:
     async def chat_completions(self, request: Request) -> Response:
         try:
             req, engine = await self._accept(ChatCompletionRequest, request)
-            params, kwargs = req.sampling_params(), req.engine_kwargs()
+            tools = req.tool_plan(self.tool_call_parser)
+            params, kwargs = req.sampling_params(tools), req.engine_kwargs()
             # Refused unrendered if the contents alone cannot fit; rendered off the event loop.
-            prompt = await engine.apply_chat_template([m.as_template_input() for m in req.messages],
+            prompt = await engine.apply_chat_template(req.template_messages(), tools=tools.template_tools,
                                                       add_generation_prompt=req.add_generation_prompt is not False)
         except (OpenAIError, PagedServeError) as exc:
             return error_response(exc)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        renderer = ChatRenderer(request_id, self.model_name, engine.decode, params.n,
-                                params.logprobs is not None, want_prompt_logprobs=req.prompt_logprobs is not None)
+        renderer = chat_renderer(request_id, self.model_name, engine.decode, params.n, params.logprobs is not None,
+                                 tools, want_prompt_logprobs=req.prompt_logprobs is not None)
         return await self._respond(request, engine, [prompt], params, kwargs, renderer, bool(req.stream),
                                    req.stream_usage)
 
@@ -223,9 +228,11 @@ class OpenAIServing:
     async def _sse(first: Output, outputs: AsyncIterator[Output], renderer: _Renderer,
                    usage: StreamUsage) -> AsyncIterator[str]:
         try:
-            yield _event(renderer.stream_chunk(*first, usage))
+            if (chunk := renderer.stream_chunk(*first, usage)) is not None:
+                yield _event(chunk)
             async for i, out in outputs:
-                yield _event(renderer.stream_chunk(i, out, usage))
+                if (chunk := renderer.stream_chunk(i, out, usage)) is not None:
+                    yield _event(chunk)
             if usage is not StreamUsage.OFF:
                 yield _event(renderer.usage_chunk())
         except Exception as exc:  # noqa: BLE001 - the status is already sent: report it in the stream

@@ -16,9 +16,12 @@ AsyncLLMEngine.generate beside the SamplingParams (`engine_kwargs`).
 `logit_bias` (OpenAI's), `bad_words` and `prompt_logprobs` (vLLM's) go to SamplingParams; the
 renderers (responses.py) put prompt logprobs beside the choices in vLLM's shape.
 
-Some OpenAI fields ask for behaviour pagedserve does not have (tools, stored completions). Clients
-often send them at their default or no-op value (`tools: []`, `store: false`): those are accepted
-and change nothing; any other value is a 400 naming the field (`_refuse`), never silently ignored.
+Tools (`tools`, `tool_choice`, `parallel_tool_calls`, tool messages) are tool_calls.py's to check
+and plan: `ChatCompletionRequest.tool_plan` and `template_messages`.
+
+Some OpenAI fields ask for behaviour pagedserve does not have (stored completions). Clients often
+send them at their default or no-op value (`store: false`): those are accepted and change
+nothing; any other value is a 400 naming the field (`_refuse`), never silently ignored.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedserve.adapters.kserve.errors import OpenAIError
 from pagedserve.adapters.kserve.responses import StreamUsage
+from pagedserve.adapters.kserve.tool_calls import NO_TOOLS, ToolPlan, plan_tools, template_message
 from pagedserve.core.errors import InvalidRequest
 from pagedserve.core.kv_cache.prefix_hash import check_cache_salt
 from pagedserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -221,12 +225,19 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: str
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
+    """None (or absent) only on an assistant message with tool_calls."""
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """An assistant's earlier calls: [{"id", "type": "function", "function": {"name", "arguments"}}]."""
+    tool_call_id: str | None = None
+    """A tool message's answer to that call."""
 
-    def as_template_input(self) -> dict[str, str]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": content}
+    def as_template_input(self, i: int = 0) -> dict[str, Any]:
+        """The chat template's view of this message (messages[i]); 400 names a malformed field."""
+        content = self.content if isinstance(self.content, str) or self.content is None \
+            else "".join(p.text for p in self.content)
+        return template_message(i, self.role, content, self.tool_calls, self.tool_call_id)
 
 
 class ChatCompletionRequest(_GenerateRequest):
@@ -235,21 +246,19 @@ class ChatCompletionRequest(_GenerateRequest):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool | None = None  # vLLM extra; None means true
-    # accepted only at a value that changes nothing (see the module docstring)
+    # function calling (tool_calls.py)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    """Either value is a no-op: no tools can be given, so none can be called in parallel."""
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.tools:
-            raise _refuse("tools", "tools (function calling) are not supported; omit tools or send []")
-        if self.tool_choice not in (None, "none"):
-            raise _refuse("tool_choice", f"tool_choice={self.tool_choice!r} is not supported (no function "
-                                         'calling); omit it or send "none"')
+    def tool_plan(self, parser_name: str | None) -> ToolPlan:
+        """What the tools ask for; parser_name: the server's --tool-call-parser, if any."""
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, parser_name)
 
-    def sampling_params(self) -> SamplingParams:
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.as_template_input(i) for i, m in enumerate(self.messages)]
+
+    def sampling_params(self, tools: ToolPlan = NO_TOOLS) -> SamplingParams:
         self.check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
@@ -262,8 +271,8 @@ class ChatCompletionRequest(_GenerateRequest):
                     hint="ask for at least one token")
         # No default cap for chat (as OpenAI): generate up to the end of the context or a stop.
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
-                                     self.prompt_logprobs)
+        return tools.apply(self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
+                                                 self.prompt_logprobs))
 
 
 def parse_request(cls: type[_GenerateRequest], body: bytes) -> _GenerateRequest:

@@ -105,9 +105,10 @@ class _Renderer:
         """The extra last chunk of stream_options.include_usage: no choices, only usage."""
         return {**self._envelope(self.chunk_object_name, []), "usage": self.usage()}
 
-    def stream_chunk(self, prompt_index: int, out: RequestOutput, usage: StreamUsage) -> dict[str, Any]:
+    def stream_chunk(self, prompt_index: int, out: RequestOutput, usage: StreamUsage) -> dict[str, Any] | None:
+        """The SSE chunk of a delta; None when there is nothing to send yet (a tool parser holds text)."""
         chunk = self.chunk(prompt_index, out)
-        if usage is not StreamUsage.OFF:  # OpenAI: "usage": null on every chunk but the usage chunk
+        if chunk is not None and usage is not StreamUsage.OFF:  # OpenAI: "usage": null on every chunk but the usage chunk
             chunk["usage"] = self.usage() if usage is StreamUsage.EVERY_CHUNK else None
         return chunk
 
@@ -119,7 +120,7 @@ class _Renderer:
         choices = [self._final_choice(i, self.choices[i]) for i in sorted(self.choices)]
         return {**self._envelope(self.object_name, choices), "usage": self.usage()}
 
-    def chunk(self, prompt_index: int, out: RequestOutput) -> dict[str, Any]:
+    def chunk(self, prompt_index: int, out: RequestOutput) -> dict[str, Any] | None:
         raise NotImplementedError
 
     def _final_choice(self, index: int, choice: _Choice) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
     pagedserve kserve --model PATH_OR_default --model-name NAME [--host 0.0.0.0]
                       [--http-port 8080] [--grpc-port 8081] [--no-grpc] [--api-key KEY]
+                      [--tool-call-parser hermes|llama3_json|mistral]
                       [--max-model-len N] [engine and limit flags]
 
 Routes: OpenAI (/openai/v1/completions, /chat/completions, /models, and the same under /v1, vLLM's
@@ -21,6 +22,7 @@ import sys
 from collections.abc import Callable
 
 from pagedserve.adapters.kserve.guards import API_KEY_ENV
+from pagedserve.adapters.kserve.tool_calls import add_tool_call_parser_arg
 from pagedserve.core.engine_args import add_engine_args, engine_config_from_args
 from pagedserve.core.errors import PagedServeError
 
@@ -40,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help=f"require `Authorization: Bearer KEY` on the OpenAI routes (default: ${API_KEY_ENV}, "
                         "if set; else no key)")
+    add_tool_call_parser_arg(p)
     return p
 
 
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                             on_engine_dead=lambda: os.kill(os.getpid(), signal.SIGTERM))
     _patch_rest_server(args.host, model.begin_drain)
     _install_guards(model_server.app, config.limits, args.api_key or os.environ.get(API_KEY_ENV))
-    OpenAIServing(args.model_name, model.warm_engine).register(model_server.app)
+    OpenAIServing(args.model_name, model.warm_engine, args.tool_call_parser).register(model_server.app)
     REGISTRY.register(EngineMetricsCollector(model.metrics_snapshot, args.model_name, args.model_version,
                                              lambda: model.llm.model_info if model.llm is not None else None))
     # uvicorn's own graceful-shutdown timeout is a backstop a little past the drain period.

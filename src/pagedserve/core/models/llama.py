@@ -1,4 +1,6 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) over a packed batch.
+"""The decoder of every supported family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, Gemma 2,
+Gemma 3 text, Phi-3 / Phi-3.5 / Phi-4-mini) over a packed batch; core/models/arch.py says how the
+families differ.
 
 Plain PyTorch in the manner of gpt-fast: weights are tensors, forward is a few lines per block.
 q/k/v and gate/up projections are fused into one matmul each at load time (fewer, larger GEMMs),
@@ -11,7 +13,10 @@ through block_table (dequantizing on load).
 
 The residual stream follows Hugging Face's arithmetic: residual = residual + sublayer output in
 the model dtype, then the next norm of it; only the rows whose logits are needed get the final
-add and norm.
+add and norm. Gemma normalises each sublayer's output too (post-attention, post-feedforward)
+before adding it, and its norms multiply by (1 + weight): the loader stores 1 + weight, so every
+norm here is the same op (exact in fp32; bf16 rounds the product where transformers computes it in
+fp32, so bf16 Gemma is close, not token-exact).
 """
 
 from __future__ import annotations
@@ -46,8 +51,13 @@ class LayerWeights:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
+    """Llama: the norm before the MLP. Gemma: the norm of the attention output."""
     gate_up: Linear
     down: Linear
+    pre_ff_norm: torch.Tensor | None = None
+    """Gemma: the norm before the MLP."""
+    post_ff_norm: torch.Tensor | None = None
+    """Gemma: the norm of the MLP output."""
 
 
 class LlamaDecoder:
@@ -67,9 +77,18 @@ class LlamaDecoder:
         self.kernels = kernels
         self.dtype = embed.dtype
         self.device = embed.device
-        rotary = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling, embed.device)
-        self.cos, self.sin = rotary.tables(self.dtype)
-        self.scale = arch.head_dim**-0.5
+        self.rotary = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling, embed.device,
+                                      arch.max_position_embeddings, self.dtype)
+        # Gemma 3's sliding-window layers rotate with their own parameters (theta 10k, no scaling).
+        self.local_rotary = self.rotary
+        if arch.local_rope_scaling is not None:
+            self.local_rotary = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.local_rope_scaling,
+                                                embed.device, arch.max_position_embeddings, self.dtype)
+        self.scale = arch.attn_scale if arch.attn_scale is not None else arch.head_dim**-0.5
+        self.act_and_mul = kernels.gelu_tanh_and_mul if arch.hidden_act == "gelu_pytorch_tanh" else kernels.silu_and_mul
+        # transformers multiplies by a float32 tensor cast to the weight dtype.
+        self.embed_scale = (torch.tensor(arch.hidden_size**0.5, dtype=self.dtype, device=self.device)
+                            if arch.gemma_norms else None)
         # A tied embedding whose LM head the backend packed in a layout it reads rows back from
         # (kernels/cpu/linear.py, AMX) is looked up there, so its plain copy is not kept beside the
         # packed one (54 MiB for SmolLM2; the same bf16 values, so the same embeddings).
@@ -77,36 +96,62 @@ class LlamaDecoder:
         if lm_head is embed and getattr(whole.kernel, "rows", None) is not None:
             self.embed_rows, self.embed = whole.kernel.rows, None
 
+    @property
+    def needs_rope_lengths(self) -> bool:
+        """Whether forward() needs ForwardBatch.rope_lengths (longrope, dynamic NTK)."""
+        return self.rotary.length_dependent or self.local_rotary.length_dependent
+
+    def prefix_cache_key(self, prompt_len: int) -> str | None:
+        """What else two prompts must share for their cached K/V to be interchangeable (None: nothing)."""
+        return self.rotary.prefix_cache_key(prompt_len)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[KVCacheTensors]) -> torch.Tensor:
         """Logits [num_sampled, vocab] (fp32) for batch.logits_indices."""
-        ops, eps = self.kernels, self.arch.rms_norm_eps
+        ops, eps, gemma = self.kernels, self.arch.rms_norm_eps, self.arch.gemma_norms
         if self.embed_rows is not None:
             residual = self.embed_rows(batch.input_ids)
         else:
             residual = F.embedding(batch.input_ids, self.embed)
+        if self.embed_scale is not None:
+            residual = residual * self.embed_scale
+        # Each rope's (cos, sin, row per token) for this batch, shared by the layers that use it.
+        ropes = {id(r): r.rows(batch.positions, batch.rope_lengths) for r in (self.rotary, self.local_rotary)}
         x = ops.rms_norm(residual, self.layers[0].input_norm, eps)
         for i, (w, kv) in enumerate(zip(self.layers, kv_caches)):
-            x = self._attention(x, w, kv, batch, i)
-            x, residual = ops.add_rms_norm(x, residual, w.post_norm, eps)
-            x = w.down(ops.silu_and_mul(w.gate_up(x)))
+            window = self.arch.sliding_windows[i]
+            rope = ropes[id(self.local_rotary if window is not None else self.rotary)]
+            x = self._attention(x, w, kv, batch, window, rope)
+            if gemma:
+                x = ops.rms_norm(x, w.post_norm, eps)
+                x, residual = ops.add_rms_norm(x, residual, w.pre_ff_norm, eps)
+            else:
+                x, residual = ops.add_rms_norm(x, residual, w.post_norm, eps)
+            x = w.down(self.act_and_mul(w.gate_up(x)))
+            if gemma:
+                x = ops.rms_norm(x, w.post_ff_norm, eps)
             if i + 1 < len(self.layers):
                 x, residual = ops.add_rms_norm(x, residual, self.layers[i + 1].input_norm, eps)
         rows = batch.logits_indices
         h = ops.rms_norm(residual[rows] + x[rows], self.norm, eps)
         if len(self.lm_head) == 1:
-            return self.lm_head[0](h).float()
-        return torch.cat([head(h) for head in self.lm_head], dim=1).float()
+            logits = self.lm_head[0](h).float()
+        else:
+            logits = torch.cat([head(h) for head in self.lm_head], dim=1).float()
+        if self.arch.final_softcap is not None:
+            logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
+        return logits
 
     def _attention(self, x: torch.Tensor, w: LayerWeights, kv: KVCacheTensors, batch: ForwardBatch,
-                   layer: int) -> torch.Tensor:
+                   window: int | None, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
         a = self.arch
-        q, k, v = self.kernels.rotary_qkv(w.qkv(x), batch.positions, self.cos, self.sin, a.num_heads,
-                                          a.num_kv_heads, w.q_norm, w.k_norm, a.rms_norm_eps)
+        cos, sin, rows = rope
+        q, k, v = self.kernels.rotary_qkv(w.qkv(x), rows, cos, sin, a.num_heads, a.num_kv_heads, w.q_norm, w.k_norm,
+                                          a.rms_norm_eps, a.head_dim)
         # Quantized caches: scales are written with the codes and read back inside the attention.
         self.kernels.reshape_and_cache(k, v, kv.key_cache, kv.value_cache, batch.slot_mapping, kv.k_scale, kv.v_scale)
         o = self.kernels.paged_attention(
             q, kv.key_cache, kv.value_cache, batch.block_table, batch.query_start_loc, batch.seq_lens,
-            self.scale, batch.max_query_len, batch.max_seq_len, a.sliding_windows[layer], kv.k_scale, kv.v_scale,
+            self.scale, batch.max_query_len, batch.max_seq_len, window, kv.k_scale, kv.v_scale, a.attn_softcap,
         )
         return w.o(o.reshape(x.shape[0], a.num_heads * a.head_dim))

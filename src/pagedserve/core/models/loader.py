@@ -1,4 +1,10 @@
-"""Load a Llama-family checkpoint from a local Hugging Face directory (safetensors only)."""
+"""Load a checkpoint of a supported family from a local Hugging Face directory (safetensors only).
+
+Tensor names are transformers' (model.layers.N.self_attn.q_proj.weight, ...). Phi-3 stores q/k/v
+and gate/up fused (qkv_proj, gate_up_proj): they are taken as they are, being the same [q; k; v]
+and [gate; up] concatenations the decoder makes of the others. Gemma's norms are stored as w and
+computed as x * (1 + w): 1 + w is stored instead, so the decoder has one norm op for all families.
+"""
 
 from __future__ import annotations
 
@@ -95,32 +101,45 @@ def load_decoder(path: Path, arch: ModelArch, dtype: torch.dtype, device: torch.
     def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         return Linear(weight, bias, prepack=prepack)
 
+    def norm(name: str) -> torch.Tensor:
+        w = ckpt.get(name)
+        return (1.0 + w.float()).to(w.dtype) if arch.gemma_norms else w
+
+    def fused(prefix: str, fused_name: str, parts: tuple[str, ...], suffix: str) -> torch.Tensor | None:
+        if arch.fused_checkpoint:
+            return ckpt.get(prefix + fused_name + suffix) if suffix == ".weight" else ckpt.maybe(prefix + fused_name + suffix)
+        if suffix == ".weight":
+            return _cat(*(ckpt.get(prefix + x + suffix) for x in parts))
+        return _cat(*(ckpt.maybe(prefix + x + suffix) for x in parts))
+
     layers = []
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
+        qkv_parts, gate_up_parts = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
         layers.append(LayerWeights(
-            input_norm=ckpt.get(p + "input_layernorm.weight"),
-            qkv=linear(_cat(*(ckpt.get(f"{attn}{x}_proj.weight") for x in "qkv")),
-                       _cat(*(ckpt.maybe(f"{attn}{x}_proj.bias") for x in "qkv"))),
+            input_norm=norm(p + "input_layernorm.weight"),
+            qkv=linear(fused(attn, "qkv_proj", qkv_parts, ".weight"), fused(attn, "qkv_proj", qkv_parts, ".bias")),
             o=linear(ckpt.get(attn + "o_proj.weight"), ckpt.maybe(attn + "o_proj.bias")),
-            q_norm=ckpt.get(attn + "q_norm.weight") if arch.qk_norm else None,
-            k_norm=ckpt.get(attn + "k_norm.weight") if arch.qk_norm else None,
-            post_norm=ckpt.get(p + "post_attention_layernorm.weight"),
-            gate_up=linear(_cat(ckpt.get(mlp + "gate_proj.weight"), ckpt.get(mlp + "up_proj.weight")),
-                           _cat(ckpt.maybe(mlp + "gate_proj.bias"), ckpt.maybe(mlp + "up_proj.bias"))),
+            q_norm=norm(attn + "q_norm.weight") if arch.qk_norm else None,
+            k_norm=norm(attn + "k_norm.weight") if arch.qk_norm else None,
+            post_norm=norm(p + "post_attention_layernorm.weight"),
+            gate_up=linear(fused(mlp, "gate_up_proj", gate_up_parts, ".weight"),
+                           fused(mlp, "gate_up_proj", gate_up_parts, ".bias")),
             down=linear(ckpt.get(mlp + "down_proj.weight"), ckpt.maybe(mlp + "down_proj.bias")),
+            pre_ff_norm=norm(p + "pre_feedforward_layernorm.weight") if arch.gemma_norms else None,
+            post_ff_norm=norm(p + "post_feedforward_layernorm.weight") if arch.gemma_norms else None,
         ))
     embed = ckpt.get("model.embed_tokens.weight")
     if arch.tie_word_embeddings or not ckpt.has("lm_head.weight"):
         lm_head = embed
     else:
         lm_head = ckpt.get("lm_head.weight")
-    norm = ckpt.get("model.norm.weight")
+    final_norm = norm("model.norm.weight")
     # Rotary inverse-frequency buffers some exporters save are recomputed from the config; static
     # KV-cache scales are read by core/kv_cache/cache_tensors.py.
     leftovers = [n for n in ckpt.unused() if not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight"]
     if leftovers:
         raise UnsupportedModel(f"checkpoint tensors not understood: {leftovers[:5]} (total {len(leftovers)})")
     ckpt.close_converting()  # before the LM head is packed
-    return LlamaDecoder(arch, embed, layers, norm, lm_head, max_position, kernels)
+    return LlamaDecoder(arch, embed, layers, final_norm, lm_head, max_position, kernels)

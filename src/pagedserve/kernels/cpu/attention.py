@@ -9,7 +9,8 @@ end, which is what the reference does around its fp32 SDPA. Prefill chunks witho
 window over fp32 caches (AVX-512, or AVX2 with FMA), and over bf16 caches on AVX-512 CPUs without
 bf16 dot products, go through paged_prefill_attention.cpp (two GEMMs and an exact softmax per
 block of query rows, fp32 math); the others keep the reference's SDPA. fp16 queries or caches keep
-the reference path entirely. The contract is the reference's (kernels/reference/attention.py).
+the reference path entirely, and so do softcapped scores (Gemma 2; the C++ kernels have no softcap
+yet). The contract is the reference's (kernels/reference/attention.py).
 """
 
 from __future__ import annotations
@@ -100,12 +101,15 @@ def reshape_and_cache(
 def paged_attention(
     query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor, query_start_loc: Tensor,
     seq_lens: Tensor, scale: float, max_query_len: int, max_seq_len: int, sliding_window: int | None = None,
-    k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+    k_scale: Tensor | None = None, v_scale: Tensor | None = None, softcap: float | None = None,
 ) -> Tensor:
-    """Same signature, contract and result as pagedserve.kernels.reference.paged_attention."""
-    if not (query.dtype in _FP32_BF16 and key_cache.dtype in _READS_IN_PLACE and query.is_contiguous()):
+    """Same signature, contract and result as pagedserve.kernels.reference.paged_attention.
+    Attention logit softcapping (Gemma 2) takes the reference's explicit-score path."""
+    if not (query.dtype in _FP32_BF16 and key_cache.dtype in _READS_IN_PLACE and query.is_contiguous()
+            and softcap is None):
         return reference.paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                                         scale, max_query_len, max_seq_len, sliding_window, k_scale, v_scale)
+                                         scale, max_query_len, max_seq_len, sliding_window, k_scale, v_scale,
+                                         softcap)
     starts, lens, q_lens, mode = _checked_args(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, max_query_len, max_seq_len,
         sliding_window, k_scale, v_scale)

@@ -11,7 +11,10 @@ from torch import Tensor
 from pagedserve.kernels.cpu.build import load_extension
 from pagedserve.kernels.reference import layers as reference
 
-__all__ = ["rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qkv"]
+__all__ = ["rms_norm", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_qkv"]
+
+# Gemma's MLP activation: torch's own tanh GELU (vectorised ATen), as transformers computes it.
+gelu_tanh_and_mul = reference.gelu_tanh_and_mul
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -41,9 +44,10 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
 
 
 def rotary_qkv(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int,
-               q_norm: Tensor | None = None, k_norm: Tensor | None = None, eps: float = 0.0
-               ) -> tuple[Tensor, Tensor, Tensor]:
-    if not (_fused(qkv) and qkv.dim() == 2 and cos.shape[1] % 2 == 0):
-        return reference.rotary_qkv(qkv, positions, cos, sin, num_heads, num_kv_heads, q_norm, k_norm, eps)
+               q_norm: Tensor | None = None, k_norm: Tensor | None = None, eps: float = 0.0,
+               head_dim: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Partial rotary (head_dim > cos.shape[1]) takes the reference."""
+    if not (_fused(qkv) and qkv.dim() == 2 and cos.shape[1] % 2 == 0 and head_dim in (None, cos.shape[1])):
+        return reference.rotary_qkv(qkv, positions, cos, sin, num_heads, num_kv_heads, q_norm, k_norm, eps, head_dim)
     q, k, v = load_extension().rotary_qkv(qkv, positions, cos, sin, num_heads, num_kv_heads, q_norm, k_norm, eps)
     return q, k, v

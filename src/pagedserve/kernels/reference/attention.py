@@ -87,6 +87,7 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Causal attention of a packed varlen batch over the paged KV cache.
 
@@ -101,30 +102,32 @@ def paged_attention(
     max_query_len, max_seq_len: batch maxima (validated here; the Triton twin sizes its grid by them).
     k_scale, v_scale: as for reshape_and_cache (None for a float cache; per-slot or 0-dim for a
                      quantized one); gathered K/V are dequantized as ``code * scale``.
+    softcap:         None, or c > 0: scores (scaled) become ``tanh(s / c) * c`` before the mask and
+                     the softmax (Gemma 2's attention logit softcapping).
     Returns [num_tokens, num_heads, head_dim] in query's dtype; scores and softmax in fp32.
     """
     starts, lens, q_lens, mode = check_paged_attention_args(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, max_query_len, max_seq_len,
-        sliding_window, k_scale, v_scale)
+        sliding_window, k_scale, v_scale, softcap)
     out = torch.empty_like(query)
     k_src, v_src = _sources(key_cache, value_cache, k_scale, v_scale, mode)
     decodes = [b for b in range(len(lens)) if q_lens[b] == 1]
     if decodes:
         _decode_attention(query, k_src, v_src, block_table, key_cache.shape[1], starts, lens, decodes,
-                          scale, sliding_window, out)
+                          scale, sliding_window, out, softcap)
     _prefill_rows(query, k_src, v_src, block_table, key_cache.shape[1], starts, lens, q_lens, scale,
-                  sliding_window, out)
+                  sliding_window, out, softcap=softcap)
     return out
 
 
 def check_paged_attention_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                               max_query_len, max_seq_len, sliding_window, k_scale, v_scale
+                               max_query_len, max_seq_len, sliding_window, k_scale, v_scale, softcap=None
                                ) -> tuple[list[int], list[int], list[int], str]:
     """Assert paged_attention's contract (pagedserve.kernels.contract, plus what the metadata's
     values must satisfy); return (query starts, seq_lens, q_lens) as lists and the scale mode.
     The CPU path reads the (tiny) metadata on the host; the Triton twin never does."""
     mode = contract.check_paged_attention_args(query, key_cache, value_cache, block_table, query_start_loc,
-                                               seq_lens, max_seq_len, sliding_window, k_scale, v_scale)
+                                               seq_lens, max_seq_len, sliding_window, k_scale, v_scale, softcap)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
@@ -136,14 +139,15 @@ def check_paged_attention_args(query, key_cache, value_cache, block_table, query
 
 
 def prefill_attention(query, key_cache, value_cache, block_table, starts, lens, q_lens, mode, scale,
-                      sliding_window, k_scale, v_scale, out, compute_dtype: torch.dtype = torch.float32) -> None:
+                      sliding_window, k_scale, v_scale, out, compute_dtype: torch.dtype = torch.float32,
+                      softcap: float | None = None) -> None:
     """Fill ``out`` for the sequences with more than one query row; the other arguments as
     check_paged_attention_args returned them (its checks already ran). compute_dtype: the dtype
     SDPA runs in (fp32 here; kernels/cpu passes bf16 for bf16 queries over bf16 caches, where CPU
     flash attention accumulates in fp32 like Hugging Face's bf16 SDPA, 2.5-3x faster)."""
     k_src, v_src = _sources(key_cache, value_cache, k_scale, v_scale, mode)
     _prefill_rows(query, k_src, v_src, block_table, key_cache.shape[1], starts, lens, q_lens, scale,
-                  sliding_window, out, compute_dtype)
+                  sliding_window, out, compute_dtype, softcap)
 
 
 def _sources(key_cache, value_cache, k_scale, v_scale, mode) -> tuple[tuple, tuple]:
@@ -158,11 +162,33 @@ def _sources(key_cache, value_cache, k_scale, v_scale, mode) -> tuple[tuple, tup
 
 
 def _prefill_rows(query, k_src, v_src, block_table, block_size, starts, lens, q_lens, scale, sliding_window,
-                  out, compute_dtype=torch.float32) -> None:
+                  out, compute_dtype=torch.float32, softcap=None) -> None:
     for b, q_len in enumerate(q_lens):
         if q_len > 1:
             _prefill_attention(query, k_src, v_src, block_table[b], block_size, starts[b], q_len,
-                               lens[b], scale, sliding_window, out, compute_dtype)
+                               lens[b], scale, sliding_window, out, compute_dtype, softcap)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, softcap: float | None,
+            is_causal: bool = False) -> Tensor:
+    """SDPA over [.., Hq, Lq, D] queries and [.., Hkv, Lk, D] keys/values (GQA: query head h reads
+    KV head h // (Hq // Hkv)); mask: bool, True = attend. With a softcap SDPA cannot be used (it
+    has no hook between the scores and the softmax), so the scores are formed explicitly, capped
+    as transformers' eager attention does (scale, / c, tanh, * c), masked and softmaxed in fp32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if is_causal:
+        lq, lk = s.shape[-2:]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(lk - lq)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
 
 
 def _gather(src: tuple[Tensor, Tensor | None], slots: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -182,7 +208,7 @@ def _slots(block_table: Tensor, block_size: int, positions: Tensor) -> Tensor:
 
 
 def _decode_attention(query, k_src, v_src, block_table, block_size, starts, lens, decodes,
-                      scale, sliding_window, out) -> None:
+                      scale, sliding_window, out, softcap=None) -> None:
     """One query row per sequence: batched gather + one SDPA per group of similar-length rows."""
     num_kv_heads, head_dim = k_src[0].shape[1:]
     group = query.shape[1] // num_kv_heads
@@ -209,13 +235,12 @@ def _decode_attention(query, k_src, v_src, block_table, block_size, starts, lens
         q = query.index_select(0, q_rows).view(len(rows), num_kv_heads, group, head_dim)
         ragged = n_keys[rows[-1]] < width
         mask = (offs < n)[:, None, None, :] if ragged else None
-        o = F.scaled_dot_product_attention(
-            q.float(), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+        o = _attend(q.float(), k.transpose(1, 2), v.transpose(1, 2), mask, scale, softcap)
         out.index_copy_(0, q_rows, o.reshape(len(rows), -1, head_dim).to(out.dtype))
 
 
 def _prefill_attention(query, k_src, v_src, block_row, block_size, q_start, q_len, seq_len,
-                       scale, sliding_window, out, compute_dtype=torch.float32) -> None:
+                       scale, sliding_window, out, compute_dtype=torch.float32, softcap=None) -> None:
     """Several query rows of one sequence (a prompt or a prefill chunk after a cached prefix)."""
     context = seq_len - q_len  # tokens cached before this step
     # First key any query row can see; positions before it are never gathered.
@@ -227,7 +252,7 @@ def _prefill_attention(query, k_src, v_src, block_row, block_size, q_start, q_le
     v = _gather(v_src, slots, compute_dtype).transpose(0, 1)[None]
     q = query[q_start:q_start + q_len].to(compute_dtype).transpose(0, 1)[None]  # [1, H, q_len, D]
     if context == 0 and sliding_window is None:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        o = _attend(q, k, v, None, scale, softcap, is_causal=True)
         out[q_start:q_start + q_len] = o[0].transpose(0, 1).to(out.dtype)
         return
     q_pos = torch.arange(context, seq_len, device=query.device)[:, None]
@@ -239,7 +264,5 @@ def _prefill_attention(query, k_src, v_src, block_row, block_size, q_start, q_le
         # Keys this tile can see: from its first row's window start up to its last row.
         lo = 0 if sliding_window is None else max(0, context + i0 + 1 - sliding_window) - kv_start
         hi = context + i1 - kv_start
-        o = F.scaled_dot_product_attention(
-            q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask[i0:i1, lo:hi],
-            scale=scale, enable_gqa=True)
+        o = _attend(q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi], mask[i0:i1, lo:hi], scale, softcap)
         out[q_start + i0:q_start + i1] = o[0].transpose(0, 1).to(out.dtype)

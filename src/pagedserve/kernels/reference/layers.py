@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qkv", "apply_rotary"]
+__all__ = ["rms_norm", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_qkv", "apply_rotary"]
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -35,6 +35,12 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(gate_up: Tensor) -> Tensor:
+    """gelu_tanh(gate) * up (Gemma's MLP: transformers' gelu_pytorch_tanh is torch's tanh GELU)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def _rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -46,13 +52,16 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def rotary_qkv(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int,
-               q_norm: Tensor | None = None, k_norm: Tensor | None = None, eps: float = 0.0
-               ) -> tuple[Tensor, Tensor, Tensor]:
+               q_norm: Tensor | None = None, k_norm: Tensor | None = None, eps: float = 0.0,
+               head_dim: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Split a fused qkv projection [n, (H + 2 * KV) * D] into q [n, H, D], k and v [n, KV, D];
-    q and k are RMS-normalised per head when q_norm/k_norm are given (Qwen3), then rotated by
-    their positions. cos/sin: [max_position, D] tables in the model dtype."""
+    q and k are RMS-normalised per head when q_norm/k_norm are given (Qwen3, Gemma 3), then rotated
+    by their positions. cos/sin: [rows, R] tables in the model dtype, gathered by `positions`; R is
+    the rotary dim: the first R dims of each head rotate (neox halves of R), the rest pass through
+    (partial_rotary_factor, Phi-4-mini). head_dim: D, when R < D (default R)."""
     n = qkv.shape[0]
-    head_dim = cos.shape[1]
+    rot = cos.shape[1]
+    head_dim = head_dim or rot
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
     q = q.view(n, num_heads, head_dim)
     k = k.view(n, num_kv_heads, head_dim)
@@ -61,4 +70,7 @@ def rotary_qkv(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, num_hea
         q = rms_norm(q, q_norm, eps)
         k = rms_norm(k, k_norm, eps)
     c, s = cos[positions][:, None, :], sin[positions][:, None, :]
-    return apply_rotary(q, c, s), apply_rotary(k, c, s), v
+    if rot == head_dim:
+        return apply_rotary(q, c, s), apply_rotary(k, c, s), v
+    return (torch.cat((apply_rotary(q[..., :rot], c, s), q[..., rot:]), -1),
+            torch.cat((apply_rotary(k[..., :rot], c, s), k[..., rot:]), -1), v)

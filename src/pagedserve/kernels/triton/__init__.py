@@ -2,10 +2,10 @@
 pagedserve.kernels.reference. Importing this package needs `triton` (pip install pagedserve[gpu]).
 The decoder-layer ops and argmax_rows are the reference's torch code, which runs on the GPU as it is."""
 
-from pagedserve.kernels.reference.layers import add_rms_norm, rms_norm, rotary_qkv, silu_and_mul
+from pagedserve.kernels.reference.layers import add_rms_norm, rms_norm, gelu_tanh_and_mul, rotary_qkv, silu_and_mul
 from pagedserve.kernels.reference.sampling import argmax_rows
 from pagedserve.kernels.triton.attention import paged_attention
 from pagedserve.kernels.triton.kv_store import reshape_and_cache
 
-__all__ = ["paged_attention", "reshape_and_cache", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qkv",
+__all__ = ["paged_attention", "reshape_and_cache", "rms_norm", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_qkv",
            "argmax_rows"]

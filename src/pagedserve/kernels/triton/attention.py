@@ -19,7 +19,10 @@ Keys are read through the block table one tile at a time (any block_size: each k
 mapped to ``block_table[b, pos // block_size] * block_size + pos % block_size``). Quantized caches
 are dequantized on load, folded into the math: the per-key K scale multiplies the score column and
 the per-key V scale multiplies the probability column, so no dequantized copy of a tile is made.
-Softmax runs in the exp2 domain (log2(e) folded into the scale), fp32 throughout. Cache and
+Softmax runs in the exp2 domain (log2(e) folded into the scale), fp32 throughout. With a softcap
+(Gemma 2) the scaled score is capped in natural units, c * tanh(s / c), before log2(e) is applied;
+tanh is written with exp2, which tl has on every backend (1 - 2 / (e^(2x) + 1): +-1 at the extremes,
+never NaN). Cache and
 query offsets are int64 (slot * num_kv_heads * head_dim overflows int32 on large pools).
 """
 
@@ -44,17 +47,19 @@ _LOG2E = 1.4426950408889634
 # Running-max start: finite, so fully masked tiles give exp2(-inf) = 0, never NaN. A constexpr
 # because jitted code may only read constexpr globals.
 _NEG_BIG = tl.constexpr(-1.0e30)
+_LOG2E_C = tl.constexpr(_LOG2E)
 
 
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, part_ml_ptr, part_acc_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr, q_block_seq_ptr,
-    qk_scale, sliding_window,
+    qk_scale, sliding_window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
     num_kv_heads, group, head_dim, block_size,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, QUANT: tl.constexpr, USE_WINDOW: tl.constexpr, FP32_DOT: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -114,6 +119,8 @@ def _paged_attention_kernel(
         elif QUANT == 2:
             s = s * tl.load(k_scale_ptr)
         s = s * qk_scale
+        if USE_SOFTCAP:  # qk_scale is the plain scale here: cap, then into the exp2 domain
+            s = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * _LOG2E_C / softcap)) + 1.0)) * _LOG2E_C
         allowed = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
@@ -201,7 +208,7 @@ def paged_attention(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
     max_seq_len: int, sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a packed varlen batch over the paged KV cache (see the reference twin).
 
@@ -211,10 +218,11 @@ def paged_attention(
     block_table:     int32 [B, max_blocks], last dim contiguous.
     query_start_loc: int32 [B + 1]; seq_lens: int32 [B]; both contiguous, on the query's device.
     max_query_len, max_seq_len: host ints, upper bounds of the batch (size the grid; never synced).
+    softcap:         None, or c: scores become c * tanh(s / c) before the softmax (Gemma 2).
     Returns [num_tokens, num_heads, head_dim] in query's dtype.
     """
     mode = contract.check_paged_attention_args(query, key_cache, value_cache, block_table, query_start_loc,
-                                               seq_lens, max_seq_len, sliding_window, k_scale, v_scale)
+                                               seq_lens, max_seq_len, sliding_window, k_scale, v_scale, softcap)
     # What this kernel's addressing needs beyond the shared contract:
     assert query.stride(2) == 1, f"query must be contiguous in head_dim, strides {query.stride()}"
     assert block_table.stride(1) == 1, "block_table rows must be contiguous"
@@ -255,13 +263,13 @@ def paged_attention(
         query, key_cache, value_cache, k_scale if k_scale is not None else dummy,
         v_scale if v_scale is not None else dummy, out, part_ml, part_acc,
         block_table, query_start_loc, seq_lens, q_block_seq,
-        scale * _LOG2E, sliding_window or 0,
+        scale if softcap is not None else scale * _LOG2E, sliding_window or 0, float(softcap or 1.0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         num_kv_heads, group, head_dim, block_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d, NUM_SPLITS=splits,
         QUANT=MODES[mode], USE_WINDOW=sliding_window is not None,
-        FP32_DOT=_fp32_dot(query, key_cache),
+        FP32_DOT=_fp32_dot(query, key_cache), USE_SOFTCAP=softcap is not None,
     )
     if splits > 1:
         block_s = triton.next_power_of_2(splits)
