@@ -29,10 +29,11 @@ def with_chat_template(src: Path, dst: Path) -> Path:
     return dst
 
 
-def start_server(model: Path, log_path: Path, model_name: str, env: dict[str, str] | None = None) -> KServeProcess:
+def start_server(model: Path, log_path: Path, model_name: str, env: dict[str, str] | None = None,
+                 timeout: float = 120) -> KServeProcess:
     """`env`: more environment for the server (the test hooks' variables)."""
     return start_kserve(model, log_path, model_name, args=("--dtype", "float32"), env={**ONE_THREAD, **(env or {})},
-                        timeout=120)
+                        timeout=timeout)
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -1,7 +1,8 @@
 """The shared metric table both adapters export: names, kinds and histogram exposition."""
 
-from pagedserve.adapters.engine_metrics import (ENGINE_METRICS, LABELLED_COUNTERS, REQUEST_SUCCESS, MetricKind,
-                                                cumulative_buckets)
+from pagedserve.adapters.engine_metrics import (ENGINE_METRICS, LABELLED_COUNTERS, REQUEST_SUCCESS, VLLM_LABELLED_COUNTERS,
+                                                VLLM_METRICS, MetricKind, cache_config_labels, cumulative_buckets)
+from pagedserve.core.async_engine import ModelInfo
 from pagedserve.core.metrics import EngineMetrics
 
 ISSUE_NAMES = {
@@ -44,3 +45,31 @@ def test_read_values_from_a_snapshot():
     assert LABELLED_COUNTERS[1].read(snap) == {"waiting_requests": 1}
     assert by_name["pagedserve:engine_step_failures_total"].read(snap) == 1
     assert by_name["pagedserve:prompt_tokens_total"].base_name == "pagedserve:prompt_tokens"
+
+
+VLLM_NAMES = {  # what vLLM's own servers export (vllm/v1/metrics/loggers.py), as routers and KEDA read them
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
+}
+
+
+def test_vllms_names_twin_every_family_vllm_has():
+    assert {m.name for m in VLLM_METRICS} == VLLM_NAMES
+    assert [c.name for c in VLLM_LABELLED_COUNTERS] == ["vllm:request_success_total"]
+    assert VLLM_LABELLED_COUNTERS[0].label == "finished_reason"
+    twins = {m.name: m for m in ENGINE_METRICS}
+    metrics = EngineMetrics()
+    metrics.observe_finished("stop", 0.5)
+    snap = metrics.snapshot()
+    for m in VLLM_METRICS:  # the same reading, the same kind, under the other name
+        twin = twins[m.name.replace("vllm:", "pagedserve:")]
+        assert (m.kind, m.read(snap)) == (twin.kind, twin.read(snap))
+
+
+def test_cache_config_info_labels_are_vllms():
+    info = ModelInfo("m", 128, 384, 1000, False, block_size=16, num_kv_blocks=512, kv_cache_dtype="auto",
+                     enable_prefix_caching=True)
+    assert cache_config_labels(info) == {"block_size": "16", "num_gpu_blocks": "512", "cache_dtype": "auto",
+                                         "enable_prefix_caching": "True"}

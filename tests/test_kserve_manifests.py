@@ -11,7 +11,8 @@ import jsonschema
 import pytest
 import yaml
 
-from pagedserve.adapters.engine_metrics import ENGINE_METRICS
+from pagedserve.adapters.engine_metrics import VLLM_METRICS
+from pagedserve.adapters.kserve.metrics import VLLM_LABELS
 from pagedserve.adapters.kserve.server import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,11 +92,13 @@ def test_runtime_and_service_agree_with_the_server():
     assert ports == {args.http_port, args.grpc_port} == {p["containerPort"] for p in model["ports"]}
     for probe in ("readinessProbe", "startupProbe"):
         assert model[probe]["httpGet"] == {"path": f"/v2/models/{name}/ready", "port": args.http_port}
-    # Autoscaling reads the engine's own gauges, by the names /metrics exports.
+    # Autoscaling reads the engine's own gauges, by vLLM's names and label, as /metrics exports them
+    # (tests/test_vllm_compat.py scrapes them from a real server).
     query = isvc["spec"]["predictor"]["autoScaling"]["metrics"][0]["external"]["metric"]["query"]
-    used = set(re.findall(r"pagedserve:[a-z_]+", query))
-    assert used and used <= {m.name for m in ENGINE_METRICS}
-    assert "pagedserve:num_requests_waiting" in used
+    selectors = re.findall(r"([a-z_]+:[a-z_]+)\{([^}]*)\}", query)
+    assert {name for name, _labels in selectors} == {"vllm:num_requests_waiting", "vllm:num_requests_running"}
+    assert {name for name, _labels in selectors} <= {m.name for m in VLLM_METRICS}
+    assert all(labels == f'{VLLM_LABELS[0]}="{name}"' for _name, labels in selectors), selectors
 
 
 def test_dockerfile_builds_cpu_and_cuda_variants():

@@ -191,7 +191,6 @@ def test_noop_values_change_nothing(client):
     ("completions", {"best_of": 3}, "best_of"),
     ("completions", {"best_of": 1, "n": 2}, "best_of"),
     ("completions", {"suffix": "end"}, "suffix"),
-    ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
 ])
 def test_values_asking_for_missing_features_are_refused(server, client, route, fields, param):
     prompt = {"prompt": PROMPT} if route == "completions" else {"messages": MESSAGES}

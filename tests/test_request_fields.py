@@ -155,9 +155,8 @@ def test_triton_text_request_takes_cache_salt_beside_its_sampling_params(tensors
     ({}, '{"cache_salt": 5}', "cache_salt=5: expected a string"),
     ({"cache_salt": t(b"\xff")}, None, "cache_salt is not valid UTF-8"),
     ({"cache_salt": t(b"a"), "sampling_parameters": t(b'{"cache_salt": "b"}')}, None, "cache_salt is given twice"),
-    ({"sampling_parameters": t(b'{"prompt_logprobs": 1}')}, None, "prompt_logprobs: the text contract"),
 ])
-def test_triton_text_request_bad_cache_salt_or_prompt_logprobs_is_named(tensors, parameters, message):
+def test_triton_text_request_bad_cache_salt_is_named(tensors, parameters, message):
     with pytest.raises(InvalidRequest, match=message):
         parse_request({"text_input": t(b"hi"), **tensors}, parameters)
 
@@ -369,5 +368,7 @@ def test_every_field_the_code_accepts_is_documented():
     triton_docs = _docs("triton.md", "structured_outputs.md")
     assert [i for i in ALL_INPUTS if f"`{i}`" not in triton_docs] == []
     assert [i for i in ALL_INPUTS if f"`{i}`" not in _docs("contracts.md", "structured_outputs.md")] == []
-    keys = {*SamplingParams.__dataclass_fields__, *STRUCTURED_OUTPUT_KEYS, "best_of"} - {"structured_output"}
+    # structured_output and bad_words_token_ids are filled by the code, never sent
+    keys = {*SamplingParams.__dataclass_fields__, *STRUCTURED_OUTPUT_KEYS, "best_of"} - {"structured_output",
+                                                                                      "bad_words_token_ids"}
     assert [k for k in sorted(keys) if f"`{k}`" not in triton_docs] == []

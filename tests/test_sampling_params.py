@@ -33,8 +33,10 @@ def test_from_dict_full_and_normalised():
         "presence_penalty": -0.5, "frequency_penalty": 0.5, "seed": 2**64 - 1, "max_tokens": None,
         "min_tokens": 3, "stop": ["\n\n", "###"], "stop_token_ids": [2, 3], "ignore_eos": True,
         "include_stop_str_in_output": True, "skip_special_tokens": False, "logprobs": 20, "prompt_logprobs": 0,
+        "logit_bias": {"9": -100, "4": 2.5}, "bad_words": ["cat", "big dog"],
     }
     p = SamplingParams.from_dict(data)
+    assert p.logit_bias == ((4, 2.5), (9, -100.0)) and p.bad_words == ("cat", "big dog")
     assert p.stop == ("\n\n", "###") and p.stop_token_ids == (2, 3) and p.max_tokens is None
     assert p == SamplingParams.from_dict(dataclasses.asdict(p))
     assert SamplingParams.from_dict({"stop": "END"}).stop == ("END",)  # one string, OpenAI style
@@ -45,7 +47,7 @@ def test_from_dict_full_and_normalised():
     assert SamplingParams.from_dict({"seed": -(2**63)}).seed == -(2**63)
 
 
-KNOWN = "known keys: best_of, frequency_penalty, guided_choice, guided_decoding, guided_grammar, guided_json"
+KNOWN = "known keys: bad_words, best_of, frequency_penalty, guided_choice, guided_decoding, guided_grammar, guided_json"
 
 # (input, field the message must name, further text it must contain)
 BAD = [

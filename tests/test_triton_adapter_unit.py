@@ -355,10 +355,12 @@ def test_stopping_the_metrics_releases_every_family_and_metric():
     engine = EngineMetrics()
     engine.observe_finished("length", 0.5)  # a labelled counter's metric, created on refresh
     FakeFamily.created.clear()
-    metrics = TritonEngineMetrics(fake_pb_utils(), engine.snapshot, {"model": "m", "version": "1"}, interval=0.01)
+    metrics = TritonEngineMetrics(fake_pb_utils(), engine.snapshot, {"model": "m", "version": "1"}, interval=0.01,
+                                  cache_config={"block_size": "16", "num_gpu_blocks": "8"})
     metrics.refresh()
     families = FakeFamily.created
     assert families["pagedserve:request_success_total"].metrics  # the labelled counter's metric too
+    assert families["vllm:request_success_total"].metrics and families["vllm:cache_config_info"].metrics  # vLLM's
     created = [weakref.ref(x) for family in families.values() for x in (family, *family.metrics)]
     families.clear()  # the fake's own registry; nothing in the stub keeps one
     metrics.stop()

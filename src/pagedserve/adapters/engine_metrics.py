@@ -4,17 +4,34 @@ Each adapter reads the engine's lock-free MetricsSnapshot (core/metrics.py) and 
 families through its platform's API: `pb_utils.MetricFamily` on Triton's metrics port,
 prometheus_client on KServe's `/metrics`. Names are vLLM's under the `pagedserve:` prefix; every
 sample carries the labels `model` and `version`.
+
+The families vLLM also has are exported a second time, by default, under vLLM's own names
+(`vllm:num_requests_waiting`, ...; `vllm_names`), with the labels vLLM's servers give them:
+`model_name` on KServe (vLLM's OpenAI server), `model` and `version` on Triton (vllm_backend's).
+Autoscalers (KEDA, the HPA's Prometheus adapter), routers (vllm-router, the production stack's)
+and vLLM's Grafana dashboards query those names and take no prefix setting, so a pagedserve
+replica is read as a vLLM one with no configuration. The cost is one more family per metric at
+scrape time. `vllm:cache_config_info` (value 1) carries the KV cache's shape as labels
+(`block_size`, `num_gpu_blocks`, ... as vLLM's), which routers read to size prefix-aware routing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from pagedserve.core.metrics import Histogram, MetricsSnapshot
 
+if TYPE_CHECKING:  # only its attributes are read: no engine import for the metric table
+    from pagedserve.core.async_engine import ModelInfo
+
 PREFIX = "pagedserve:"
+VLLM_PREFIX = "vllm:"
+CACHE_CONFIG_INFO = VLLM_PREFIX + "cache_config_info"
+CACHE_CONFIG_DESCRIPTION = "Information of the KV cache's configuration (value 1; the settings are the labels)."
 
 
 class MetricKind(Enum):
@@ -31,15 +48,25 @@ class EngineMetric:
     kind: MetricKind
     description: str
     read: Callable[[MetricsSnapshot], float | Histogram]
+    in_vllm: bool = True
+    """vLLM exports it too: it is also exported under its vLLM name (vllm_names)."""
 
     @property
     def base_name(self) -> str:
         """The name without a counter's `_total` (prometheus_client appends it on exposition)."""
         return self.name.removesuffix("_total") if self.kind is MetricKind.COUNTER else self.name
 
+    def renamed(self, name: str) -> "EngineMetric":
+        return dataclasses.replace(self, name=name)
 
-def _metric(name: str, kind: MetricKind, description: str) -> EngineMetric:
-    return EngineMetric(PREFIX + name, kind, description, lambda snap: getattr(snap, name))
+
+def _metric(name: str, kind: MetricKind, description: str, in_vllm: bool = True) -> EngineMetric:
+    return EngineMetric(PREFIX + name, kind, description, lambda snap: getattr(snap, name), in_vllm)
+
+
+def vllm_name(name: str) -> str:
+    """`pagedserve:x` -> `vllm:x`."""
+    return VLLM_PREFIX + name.removeprefix(PREFIX)
 
 
 ENGINE_METRICS: tuple[EngineMetric, ...] = (
@@ -52,7 +79,7 @@ ENGINE_METRICS: tuple[EngineMetric, ...] = (
     _metric("prompt_tokens_total", MetricKind.COUNTER, "Prompt tokens prefilled."),
     _metric("generation_tokens_total", MetricKind.COUNTER, "Tokens generated."),
     _metric("engine_step_failures_total", MetricKind.COUNTER,
-            "Engine steps that raised; each ended every request in flight with an error."),
+            "Engine steps that raised; each ended every request in flight with an error.", in_vllm=False),
     _metric("time_to_first_token_seconds", MetricKind.HISTOGRAM, "Time from arrival to the first token."),
     _metric("inter_token_latency_seconds", MetricKind.HISTOGRAM, "Time between consecutive output tokens."),
     _metric("e2e_request_latency_seconds", MetricKind.HISTOGRAM, "Time from arrival to the last token."),
@@ -68,10 +95,14 @@ class LabelledCounter:
     label: str
     description: str
     read: Callable[[MetricsSnapshot], dict[str, int]]
+    in_vllm: bool = True
 
     @property
     def base_name(self) -> str:
         return self.name.removesuffix("_total")
+
+    def renamed(self, name: str) -> "LabelledCounter":
+        return dataclasses.replace(self, name=name)
 
 
 REQUEST_SUCCESS = LabelledCounter(PREFIX + "request_success_total", "finished_reason",
@@ -81,8 +112,20 @@ REQUEST_SUCCESS = LabelledCounter(PREFIX + "request_success_total", "finished_re
 REQUEST_REFUSED = LabelledCounter(PREFIX + "request_refused_total", "reason",
                                   "Requests refused at once because the waiting queue was full, by the bound "
                                   "reached (waiting_requests, waiting_prompt_tokens).",
-                                  lambda snap: snap.request_refused_total)
+                                  lambda snap: snap.request_refused_total, in_vllm=False)
 LABELLED_COUNTERS: tuple[LabelledCounter, ...] = (REQUEST_SUCCESS, REQUEST_REFUSED)
+
+
+VLLM_METRICS: tuple[EngineMetric, ...] = tuple(m.renamed(vllm_name(m.name)) for m in ENGINE_METRICS if m.in_vllm)
+VLLM_LABELLED_COUNTERS: tuple[LabelledCounter, ...] = tuple(c.renamed(vllm_name(c.name)) for c in LABELLED_COUNTERS
+                                                            if c.in_vllm)
+"""The same families under vLLM's names (module docstring), exported after the `pagedserve:` ones."""
+
+
+def cache_config_labels(info: ModelInfo) -> dict[str, str]:
+    """vllm:cache_config_info's labels (vLLM's CacheConfig field names, values as strings)."""
+    return {"block_size": str(info.block_size), "num_gpu_blocks": str(info.num_kv_blocks),
+            "cache_dtype": info.kv_cache_dtype, "enable_prefix_caching": str(info.enable_prefix_caching)}
 
 
 def cumulative_buckets(hist: Histogram) -> list[tuple[float, int]]:

@@ -83,6 +83,13 @@ class ModelInfo:
     max_prompt_chars: int
     """Text prompts longer than this are refused before tokenizing (they cannot fit max_model_len)."""
     has_chat_template: bool
+    block_size: int = 0
+    """Tokens per KV block."""
+    num_kv_blocks: int = 0
+    """Blocks in the KV pool (vLLM's num_gpu_blocks, whatever the device)."""
+    kv_cache_dtype: str = "auto"
+    """The KV cache's dtype setting (auto: the model's)."""
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
@@ -131,8 +138,10 @@ class AsyncLLMEngine:
             raise self._build_error
         inner = self._engine
         self._tokenizer = inner.tokenizer
+        cache = inner.config.cache
         self.model_info = ModelInfo(str(inner.model_path), inner.max_model_len, inner.arch.vocab_size,
-                                    inner.max_prompt_chars, bool(inner.tokenizer.chat_template))
+                                    inner.max_prompt_chars, bool(inner.tokenizer.chat_template), cache.block_size,
+                                    inner.num_kv_blocks, cache.kv_cache_dtype, cache.enable_prefix_caching)
 
     # -- caller side -----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -153,6 +162,8 @@ class AsyncLLMEngine:
         submitted = finished = False
         try:
             token_ids = await self.tokenize(prompt)
+            if params.bad_words or params.logit_bias:  # bad_words are tokenized: off the engine thread
+                params = await self._on_tokenizer_pool(self._engine.prepare_params, params)
             if params.structured_output is not None and "compiled_grammar" not in kwargs:
                 # Compiled on a worker thread (cached per constraint) and awaited here, before the
                 # engine thread sees the request: a slow schema holds back only its own request, and

@@ -64,7 +64,7 @@ class IncrementalDetokenizer:
     __slots__ = (
         "_tokenizer", "_backend_decode", "_skip_special_tokens", "_skipped_ids", "_stop",
         "_max_stop_len", "_stop_prefixes", "_include_stop", "_ids", "_read", "_prefix_text",
-        "_released", "_unsent", "_tail", "_matched_stop", "_flushed",
+        "_released", "_unsent", "_tail", "_matched_stop", "_flushed", "_min_tokens", "_num_tokens",
     )
 
     def __init__(
@@ -75,7 +75,10 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
+        """min_tokens: no stop string can end the output before this many tokens (vLLM: the
+        strings are first looked for once the output is longer than min_tokens)."""
         del prompt_token_ids  # see the class docstring: context only, never part of the output
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         for i, s in enumerate(stop):
@@ -111,6 +114,8 @@ class IncrementalDetokenizer:
         self._tail = ""
         self._matched_stop: str | None = None
         self._flushed = False
+        self._min_tokens = min_tokens
+        self._num_tokens = 0  # output tokens fed so far
 
     # ------------------------------------------------------------------ public API
 
@@ -131,6 +136,7 @@ class IncrementalDetokenizer:
         if self._matched_stop is not None or self._flushed or not new_token_ids:
             return None
         self._ids.extend(new_token_ids)
+        self._num_tokens += len(new_token_ids)
         text = self._decode(self._ids)
         if text.endswith(_REPLACEMENT_CHAR) or self._ends_in_byte_piece():
             return None  # a later token may still change the tail of `text`; wait for it
@@ -202,7 +208,7 @@ class IncrementalDetokenizer:
             return None
         region = self._tail + new_text
         best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for s in self._stop:
+        for s in self._stop if self._num_tokens > self._min_tokens else ():
             start = region.find(s, max(0, len(self._tail) - len(s) + 1))
             if start >= 0 and (best is None or (start + len(s), start) < best[:2]):
                 best = (start + len(s), start, s)

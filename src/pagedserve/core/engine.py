@@ -201,6 +201,25 @@ class LLMEngine:
                 raise InvalidRequest(f"prompt token ids: item {i} is {t!r}; token ids must be integers in [0, {vocab})")
         return ids
 
+    def prepare_params(self, params: SamplingParams) -> SamplingParams:
+        """What only the engine can check or fill in a request's SamplingParams: logit_bias ids
+        inside the vocabulary, bad_words tokenized into bad_words_token_ids (vLLM's two spellings
+        of each word: as sent, and after a space). Thread-safe (AsyncLLMEngine runs it on the
+        tokenizer pool); a no-op on params that need nothing or were prepared already."""
+        vocab = self.arch.vocab_size
+        for token, _bias in params.logit_bias:
+            if token >= vocab:
+                raise InvalidRequest(f"logit_bias: token id {token} is outside the vocabulary [0, {vocab}); "
+                                     "bias ids the model's tokenizer produces", param="logit_bias")
+        if not params.bad_words or params.bad_words_token_ids:
+            return params
+        words: list[tuple[int, ...]] = []
+        for word in params.bad_words:
+            plain = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            words += [w for w in dict.fromkeys((plain, spaced)) if w]
+        return dataclasses.replace(params, bad_words_token_ids=tuple(words))
+
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: Sequence[dict[str, Any]] | None = None) -> str:
         """Render chat messages ([{"role": ..., "content": ...}, ...]) with the model's template.
@@ -260,6 +279,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise DuplicateRequest(f"request_id={request_id!r} is already running; use a unique id")
         cache_salt = check_cache_salt(cache_salt)
+        params = self.prepare_params(params)
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise InvalidRequest("prompt is empty; send at least one token")

@@ -31,7 +31,8 @@ class OutputProcessor:
         if detokenize:
             request.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first prompt token has no context to be scored in
 

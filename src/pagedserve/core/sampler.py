@@ -1,7 +1,7 @@
 """Batched sampling over the logits of a whole step.
 
-Order (as vLLM): repetition penalty, presence/frequency penalties, min_tokens bans; then greedy rows
-take the argmax and random rows go through temperature, top-k, top-p, min-p and the draw. Every stage
+Order (as vLLM): logit_bias, repetition penalty, presence/frequency penalties, bans (min_tokens'
+EOS and stop ids, bad_words); then greedy rows take the argmax (the kernel backend's argmax_rows) and random rows go through temperature, top-k, top-p, min-p and the draw. Every stage
 is a tensor op over all rows that need it and is skipped when no row does, so a greedy-only batch
 costs one argmax. Python loops run over requests (to read their parameters), never over the vocabulary.
 
@@ -122,6 +122,19 @@ class _SampleCache:
     list at every step."""
 
 
+def bad_word_bans(bad_words_token_ids: Sequence[Sequence[int]], output_token_ids: Sequence[int]) -> list[int]:
+    """The last token of every bad word whose other tokens end the output so far (vLLM's rule):
+    sampling it would complete the word. A one-token word is always banned."""
+    banned = []
+    for word in bad_words_token_ids:
+        prefix_len = len(word) - 1
+        if prefix_len > len(output_token_ids):
+            continue
+        if prefix_len == 0 or list(output_token_ids[len(output_token_ids) - prefix_len:]) == list(word[:-1]):
+            banned.append(word[-1])
+    return banned
+
+
 class Sampler:
     def __init__(self, argmax_rows: Callable[[Tensor], Tensor] | None = None) -> None:
         """argmax_rows: the kernel backend's row-wise argmax (the first of equal maxima, a row's
@@ -170,6 +183,14 @@ class Sampler:
         raw = logits.float()
         logits = raw  # replaced, never modified in place: `raw` stays for the logprobs
 
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        if biased:
+            bias = [(i, t, b) for i in biased for t, b in params[i].logit_bias if t < vocab]
+            if bias:
+                bias_rows, bias_cols, values = zip(*bias)
+                index = (torch.tensor(bias_rows, device=device), torch.tensor(bias_cols, device=device))
+                logits = logits.index_put(index, torch.tensor(values, device=device), accumulate=True)
+
         penalised = [i for i, p in enumerate(params) if p.uses_penalties]
         if penalised:
             rows = torch.tensor(penalised, device=device)
@@ -182,13 +203,16 @@ class Sampler:
         ban_rows: list[int] = []
         ban_cols: list[int] = []
         for i, p in enumerate(params):
+            banned = []
             if len(output_token_ids[i]) < p.min_tokens:
-                banned = list(p.stop_token_ids)
+                banned += p.stop_token_ids
                 if eos_token_ids[i] is not None and not p.ignore_eos:
                     banned.append(eos_token_ids[i])
-                banned = [t for t in banned if t < vocab]  # ids past the logits can never be sampled
-                ban_rows += [i] * len(banned)
-                ban_cols += banned
+            if p.bad_words_token_ids:
+                banned += bad_word_bans(p.bad_words_token_ids, output_token_ids[i])
+            banned = [t for t in banned if t < vocab]  # ids past the logits can never be sampled
+            ban_rows += [i] * len(banned)
+            ban_cols += banned
         if ban_rows:
             index = (torch.tensor(ban_rows, device=device), torch.tensor(ban_cols, device=device))
             logits = logits.index_put(index, torch.tensor(float("-inf"), device=device))

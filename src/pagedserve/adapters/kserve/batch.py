@@ -154,12 +154,13 @@ class BatchRunner:
                                                            add_generation_prompt=req.add_generation_prompt
                                                            is not False)]
                 renderer = chat_renderer(f"chatcmpl-{rid}", req.model, decode, params.n, params.logprobs is not None,
-                                         tools)
+                                         tools, want_prompt_logprobs=req.prompt_logprobs is not None)
             else:
                 params, engine_kwargs = req.sampling_params(), req.engine_kwargs()
                 prompts = req.prompts()
                 renderer = CompletionRenderer(f"cmpl-{rid}", req.model, decode, params.n, params.logprobs is not None,
-                                              bool(req.echo), prompts, req.echo_only)
+                                              bool(req.echo), prompts, req.echo_only,
+                                              want_prompt_logprobs=req.prompt_logprobs is not None)
         except Exception as exc:  # noqa: BLE001 - a bad body is this line's answer, never the job's end
             return error_response(line, exc)
         job = Job(line, renderer, {}, len(prompts) * params.n)

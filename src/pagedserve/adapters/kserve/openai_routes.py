@@ -125,17 +125,33 @@ class OpenAIServing:
         self.created = int(time.time())
 
     def register(self, app: FastAPI) -> None:
-        app.add_api_route("/openai/v1/completions", self.completions, methods=["POST"])
-        app.add_api_route("/openai/v1/chat/completions", self.chat_completions, methods=["POST"])
-        app.add_api_route("/openai/v1/models", self.models, methods=["GET"])
-        # :path, as model ids may hold slashes ("org/name"): the SDK puts them in the URL as they are
+        """The routes under /openai/v1 (KServe's huggingfaceserver paths), the same handlers under /v1
+        (where vLLM clients and routers look), and /health. Registered before kserve adds its own
+        routes, so `GET /v1/models` is ours: it answers KServe's v1 model list and OpenAI's at once."""
+        for prefix in ("/openai/v1", "/v1"):
+            app.add_api_route(f"{prefix}/completions", self.completions, methods=["POST"])
+            app.add_api_route(f"{prefix}/chat/completions", self.chat_completions, methods=["POST"])
+            app.add_api_route(f"{prefix}/models", self.models, methods=["GET"])
+        # :path, as model ids may hold slashes ("org/name"): the SDK puts them in the URL as they are.
+        # Only here: /v1/models/<name> stays KServe's v1 model-readiness route.
         app.add_api_route("/openai/v1/models/{model_id:path}", self.model, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET"])
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve"}
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        """OpenAI's model list (`object`, `data`) and, beside it, KServe's v1 one (`models`: the names):
+        one body both kinds of client read, since `GET /v1/models` is each protocol's list."""
+        return JSONResponse({"object": "list", "data": [self._model_card()], "models": [self.model_name]})
+
+    async def health(self, request: Request) -> Response:
+        """vLLM's /health, which routers (vllm-router) poll before they route to a worker: 200 once
+        the model has loaded and warmed up, 503 while it loads, drains or after the engine died."""
+        engine = self._get_engine()
+        if engine is None or not engine.is_healthy() or engine.draining:
+            return Response(status_code=503)
+        return Response(status_code=200)
 
     async def model(self, model_id: str) -> Response:
         """OpenAI's models.retrieve: the served model, or a 404 in OpenAI's error shape."""
@@ -164,7 +180,8 @@ class OpenAIServing:
             return error_response(exc)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         renderer = CompletionRenderer(request_id, self.model_name, engine.decode, params.n,
-                                      params.logprobs is not None, bool(req.echo), prompts, req.echo_only)
+                                      params.logprobs is not None, bool(req.echo), prompts, req.echo_only,
+                                      want_prompt_logprobs=req.prompt_logprobs is not None)
         return await self._respond(request, engine, prompts, params, kwargs, renderer, bool(req.stream),
                                    req.stream_usage)
 
@@ -180,7 +197,7 @@ class OpenAIServing:
             return error_response(exc)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         renderer = chat_renderer(request_id, self.model_name, engine.decode, params.n, params.logprobs is not None,
-                                 tools)
+                                 tools, want_prompt_logprobs=req.prompt_logprobs is not None)
         return await self._respond(request, engine, [prompt], params, kwargs, renderer, bool(req.stream),
                                    req.stream_usage)
 

@@ -13,6 +13,9 @@ StructuredOutputParams (core/structured_output); at most one of them per request
 with the same salt share cached prompt blocks. It is no sampling parameter: the routes hand it to
 AsyncLLMEngine.generate beside the SamplingParams (`engine_kwargs`).
 
+`logit_bias` (OpenAI's), `bad_words` and `prompt_logprobs` (vLLM's) go to SamplingParams; the
+renderers (responses.py) put prompt logprobs beside the choices in vLLM's shape.
+
 Tools (`tools`, `tool_choice`, `parallel_tool_calls`, tool messages) are tool_calls.py's to check
 and plan: `ChatCompletionRequest.tool_plan` and `template_messages`.
 
@@ -42,7 +45,7 @@ from pagedserve.core.validation import check_range, parse_json
 # Request fields that go to SamplingParams under the same name (OpenAI's and vLLM's extras).
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-                    "include_stop_str_in_output", "skip_special_tokens",
+                    "include_stop_str_in_output", "skip_special_tokens", "logit_bias", "bad_words",
                     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
@@ -104,8 +107,9 @@ class _GenerateRequest(_Strict):
     frequency_penalty: float | None = None
     user: str | None = None  # accepted for compatibility; pagedserve does not use it
     response_format: ResponseFormat | None = None  # structured output (see the module docstring)
-    # accepted only at a value that changes nothing (see the module docstring)
     logit_bias: dict[str, float] | None = None
+    """OpenAI's: token id (as a string) -> bias in [-100, 100], added to the logits before sampling."""
+    # accepted only at a value that changes nothing (see the module docstring)
     store: bool | None = None
     metadata: dict[str, str] | None = None
     # vLLM extras
@@ -117,6 +121,10 @@ class _GenerateRequest(_Strict):
     min_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    bad_words: list[str] | None = None
+    """Words never generated (SamplingParams explains how they are banned)."""
+    prompt_logprobs: int | None = None
+    """Logprob of every prompt token and its top-N (vLLM's shape: `prompt_logprobs` beside the choices)."""
     cache_salt: str | None = None
     """Prefix-cache isolation: only requests with the same salt share cached blocks (non-empty)."""
     # vLLM's structured output extras (shapes checked by SamplingParams.from_dict)
@@ -136,8 +144,6 @@ class _GenerateRequest(_Strict):
 
     def check_supported(self) -> None:
         """Raise a 400 naming the first field whose value asks for behaviour pagedserve lacks."""
-        if self.logit_bias:
-            raise _refuse("logit_bias", "logit_bias is not supported; omit it or send {}")
         if self.store:
             raise _refuse("store", "store=true is not supported: pagedserve stores no completions; omit it or "
                                    "send false")
@@ -202,7 +208,13 @@ class CompletionRequest(_GenerateRequest):
             raise InvalidRequest("max_tokens=0 generates nothing: it is allowed only with echo=true (which "
                                  "returns the prompt, and its logprobs to score it); ask for at least one token",
                                  param="max_tokens")
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs come from the same scoring
+            if prompt_logprobs not in (None, self.logprobs):
+                raise InvalidRequest(f"prompt_logprobs={prompt_logprobs} with echo and logprobs={self.logprobs}: "
+                                     "the echoed prompt is scored once; send them equal or omit prompt_logprobs",
+                                     param="prompt_logprobs")
+            prompt_logprobs = self.logprobs
         return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, best_of=self.best_of)
 
 
@@ -259,7 +271,8 @@ class ChatCompletionRequest(_GenerateRequest):
                     hint="ask for at least one token")
         # No default cap for chat (as OpenAI): generate up to the end of the context or a stop.
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return tools.apply(self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None))
+        return tools.apply(self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
+                                                 self.prompt_logprobs))
 
 
 def parse_request(cls: type[_GenerateRequest], body: bytes) -> _GenerateRequest:

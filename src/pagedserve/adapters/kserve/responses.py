@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.adapters.vllm_logprobs import logprobs_json
 from pagedserve.core.outputs import RequestOutput, TokenLogprobs
 
 MIN_LOGPROB = -9999.0
@@ -50,7 +51,8 @@ class _Renderer:
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, request_id: str, model: str, decode: Decode, n: int, want_logprobs: bool) -> None:
+    def __init__(self, request_id: str, model: str, decode: Decode, n: int, want_logprobs: bool,
+                 want_prompt_logprobs: bool = False) -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
@@ -63,9 +65,20 @@ class _Renderer:
         """prompt index -> its token count (counted once however many samples it has)."""
         self.cached_tokens: dict[int, int] = {}
         """prompt index -> its prompt tokens served from the prefix cache (sample 0's count)."""
+        self.want_prompt_logprobs = want_prompt_logprobs
+        """The client sent vLLM's prompt_logprobs: report them (vLLM's shape) beside the choices."""
+        self.prompt_logprobs: dict[int, list[Any]] = {}
+        """prompt index -> its prompt logprobs, rendered (they come with sample 0's first delta)."""
 
     def _token_str(self, token_id: int) -> str:
         return self.decode([token_id])
+
+    def _take_prompt_logprobs(self, prompt_index: int, out: RequestOutput) -> list[Any] | None:
+        """The rendered prompt logprobs if this delta brings them and the client asked, else None."""
+        if not self.want_prompt_logprobs or out.prompt_logprobs is None:
+            return None
+        rendered = self.prompt_logprobs[prompt_index] = logprobs_json(out.prompt_logprobs, self._token_str)
+        return rendered
 
     def _update(self, prompt_index: int, out: RequestOutput) -> tuple[int, _Choice, bool]:
         index = prompt_index * self.n + out.index
@@ -118,8 +131,9 @@ class CompletionRenderer(_Renderer):
     object_name = chunk_object_name = "text_completion"
 
     def __init__(self, request_id: str, model: str, decode: Decode, n: int, want_logprobs: bool,
-                 echo: bool, prompts: Sequence[str | Sequence[int]], echo_only: bool = False) -> None:
-        super().__init__(request_id, model, decode, n, want_logprobs)
+                 echo: bool, prompts: Sequence[str | Sequence[int]], echo_only: bool = False,
+                 want_prompt_logprobs: bool = False) -> None:
+        super().__init__(request_id, model, decode, n, want_logprobs, want_prompt_logprobs)
         self.echo = echo
         self.prompts = prompts
         self.echo_only = echo_only
@@ -143,6 +157,7 @@ class CompletionRenderer(_Renderer):
         index, choice, first = self._update(prompt_index, out)
         if out.prompt_logprobs is not None:
             self._prompt_logprobs[prompt_index] = out.prompt_logprobs
+        prompt_logprobs = self._take_prompt_logprobs(prompt_index, out)
         finish_reason = out.finish_reason if out.finished else None
         if self.echo_only:
             choice.num_output_tokens = 0
@@ -163,9 +178,11 @@ class CompletionRenderer(_Renderer):
             rows += [self._entry_row(choice, e) for e in out.logprobs or ()]
         choice.text.append(text)
         choice.logprob_rows += rows
-        return self._envelope(self.chunk_object_name, [{
-            "index": index, "text": text, "logprobs": self._columns(rows) if self.want_logprobs else None,
-            "finish_reason": finish_reason}])
+        chunk_choice = {"index": index, "text": text, "logprobs": self._columns(rows) if self.want_logprobs else None,
+                        "finish_reason": finish_reason}
+        if prompt_logprobs is not None:  # vLLM: on the choice, in the chunk that first has them
+            chunk_choice["prompt_logprobs"] = prompt_logprobs
+        return self._envelope(self.chunk_object_name, [chunk_choice])
 
     @staticmethod
     def _columns(rows: list[dict]) -> dict[str, list]:
@@ -173,9 +190,12 @@ class CompletionRenderer(_Renderer):
                 "top_logprobs": [r["top"] for r in rows], "text_offset": [r["offset"] for r in rows]}
 
     def _final_choice(self, index: int, choice: _Choice) -> dict[str, Any]:
-        return {"index": index, "text": "".join(choice.text),
+        body = {"index": index, "text": "".join(choice.text),
                 "logprobs": self._columns(choice.logprob_rows) if self.want_logprobs else None,
                 "finish_reason": choice.finish_reason}
+        if self.want_prompt_logprobs:  # vLLM: every choice of a prompt carries that prompt's
+            body["prompt_logprobs"] = self.prompt_logprobs.get(index // self.n)
+        return body
 
 
 class ChatRenderer(_Renderer):
@@ -188,14 +208,24 @@ class ChatRenderer(_Renderer):
 
     def chunk(self, prompt_index: int, out: RequestOutput) -> dict[str, Any]:
         index, choice, first = self._update(prompt_index, out)
+        prompt_logprobs = self._take_prompt_logprobs(prompt_index, out)
         rows = [{**self._logprob(e.token_id, e.logprob), "top_logprobs": [self._logprob(t, lp) for t, lp in e.top]}
                 for e in out.logprobs or ()] if self.want_logprobs else []
         choice.text.append(out.text)
         choice.logprob_rows += rows
         delta: dict[str, Any] = {"role": "assistant", "content": out.text} if first else {"content": out.text}
-        return self._envelope(self.chunk_object_name, [{
+        chunk = self._envelope(self.chunk_object_name, [{
             "index": index, "delta": delta, "logprobs": {"content": rows} if self.want_logprobs else None,
             "finish_reason": out.finish_reason if out.finished else None}])
+        if prompt_logprobs is not None:  # vLLM's chat: beside the choices, in the chunk that first has them
+            chunk["prompt_logprobs"] = prompt_logprobs
+        return chunk
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        if self.want_prompt_logprobs:  # one prompt per chat request
+            body["prompt_logprobs"] = self.prompt_logprobs.get(0)
+        return body
 
     def _final_choice(self, index: int, choice: _Choice) -> dict[str, Any]:
         return {"index": index, "message": {"role": "assistant", "content": "".join(choice.text)},

@@ -5,7 +5,8 @@
                       [--tool-call-parser hermes|llama3_json|mistral]
                       [--max-model-len N] [engine and limit flags]
 
-Routes: OpenAI (/openai/v1/completions, /chat/completions, /models), Open Inference Protocol v2
+Routes: OpenAI (/openai/v1/completions, /chat/completions, /models, and the same under /v1, vLLM's
+paths; `GET /v1/models` is also KServe's v1 model list), /health (vLLM's), Open Inference Protocol v2
 (REST and gRPC ModelInfer), v1 :predict, health and readiness, /metrics. Arguments are parsed in
 main(); nothing runs at import, and kserve is imported only here and in model.py (it cannot share
 a process with tritonclient.grpc, docs/contracts.md).
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     _patch_rest_server(args.host, model.begin_drain)
     _install_guards(model_server.app, config.limits, args.api_key or os.environ.get(API_KEY_ENV))
     OpenAIServing(args.model_name, model.warm_engine, args.tool_call_parser).register(model_server.app)
-    REGISTRY.register(EngineMetricsCollector(model.metrics_snapshot, args.model_name, args.model_version))
+    REGISTRY.register(EngineMetricsCollector(model.metrics_snapshot, args.model_name, args.model_version,
+                                             lambda: model.llm.model_info if model.llm is not None else None))
     # uvicorn's own graceful-shutdown timeout is a backstop a little past the drain period.
     grace = int(config.limits.drain_timeout) + 5
     ModelServer(http_port=args.http_port, grpc_port=args.grpc_port, enable_grpc=not args.no_grpc,

@@ -20,8 +20,8 @@ from pagedserve.core.outputs import RequestOutput
 
 class ToolChatRenderer(ChatRenderer):
     def __init__(self, request_id: str, model: str, decode: Decode, n: int, want_logprobs: bool,
-                 plan: ToolPlan) -> None:
-        super().__init__(request_id, model, decode, n, want_logprobs)
+                 plan: ToolPlan, want_prompt_logprobs: bool = False) -> None:
+        super().__init__(request_id, model, decode, n, want_logprobs, want_prompt_logprobs)
         assert plan.new_parser is not None
         self.plan = plan
         self._parsers: dict[int, ToolParser] = {}
@@ -85,8 +85,8 @@ class ToolChatRenderer(ChatRenderer):
 
 
 def chat_renderer(request_id: str, model: str, decode: Decode, n: int, want_logprobs: bool,
-                  plan: ToolPlan) -> ChatRenderer:
+                  plan: ToolPlan, want_prompt_logprobs: bool = False) -> ChatRenderer:
     """The renderer a chat request needs: plain, or with tool calls."""
     if plan.new_parser is None:
-        return ChatRenderer(request_id, model, decode, n, want_logprobs)
-    return ToolChatRenderer(request_id, model, decode, n, want_logprobs, plan)
+        return ChatRenderer(request_id, model, decode, n, want_logprobs, want_prompt_logprobs)
+    return ToolChatRenderer(request_id, model, decode, n, want_logprobs, plan, want_prompt_logprobs)

@@ -12,6 +12,11 @@ The contract and its quirks are vllm_backend's (docs/contracts.md, Triton):
 - Non-streaming `text_output` is prompt + completion unless `exclude_input_in_output`; streaming
   responses carry only the new text. With n > 1 every output has one element per sequence.
 
+`prompt_logprobs` (a sampling key, as vLLM's) adds the output `prompt_logprobs`: one JSON list, one
+entry per prompt token (null for the first: nothing precedes it), each vLLM's {token_id: {logprob,
+rank, decoded_token}} with the prompt token first, then its top-N. A stream sends it once, in the
+response of the first token; a non-streaming request in its one response.
+
 `cache_salt` (prefix-cache isolation per tenant, as vLLM's OpenAI server takes it) is a sampling key
 here, since that is where vllm_backend clients put request options; it is also an input of its own
 (shared with the token contract), so Triton's `/generate` turns a body's "cache_salt" into that
@@ -28,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedserve.adapters import vllm_logprobs
 from pagedserve.core.errors import InvalidRequest
 from pagedserve.core.kv_cache.prefix_hash import check_cache_salt
 from pagedserve.core.outputs import RequestOutput, TokenLogprobs
@@ -45,7 +51,7 @@ TEXT_INPUTS = ("text_input", "sampling_parameters", CACHE_SALT, *BOOL_INPUTS)
 _INT_KEYS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "best_of")
 _FLOAT_KEYS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _BOOL_KEYS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
-MIN_LOGPROB = -9999.0
+MIN_LOGPROB = vllm_logprobs.MIN_LOGPROB
 """What a -inf logprob (a token structured output forbids) is reported as, as vLLM does."""
 RESERVED_PARAMETER_PREFIX = "triton_"
 """Request parameters Triton's own frontends set (e.g. triton_enable_empty_final_response)."""
@@ -197,10 +203,6 @@ def parse_text_request(tensors: Mapping[str, np.ndarray | None], parameters_json
     cache_salt = cache_salt_input(tensors, from_params.get(CACHE_SALT) if salt_input else salt_key)
     returns = frozenset(f for f in RETURN_FLAGS if flags[f])
     params = sampling_params_from(sampling)
-    if params.prompt_logprobs is not None:  # it would cost a prefill of every position and come back nowhere
-        raise InvalidRequest("prompt_logprobs: the text contract (vllm_backend's) has no output for prompt "
-                             "logprobs; omit it (logprobs with return_logprobs reports the generated tokens')",
-                             param="prompt_logprobs")
     client_logprobs = params.logprobs is not None
     if "return_cumulative_logprob" in returns and not client_logprobs:
         # The engine scores tokens only when asked; 0 adds just the sampled token's logprob.
@@ -210,17 +212,9 @@ def parse_text_request(tensors: Mapping[str, np.ndarray | None], parameters_json
 
 
 def logprobs_json(entries: Sequence[TokenLogprobs], decode) -> list[dict[str, dict[str, Any]]]:
-    """vllm_backend's shape: per position {token_id: {logprob, rank, decoded_token}}, sampled first.
-    A token a structured-output constraint forbids (logprob -inf) is reported at MIN_LOGPROB: JSON
-    has no infinity."""
-    out = []
-    for e in entries:
-        pos = {str(e.token_id): {"logprob": max(e.logprob, MIN_LOGPROB), "rank": e.rank,
-                                 "decoded_token": decode(e.token_id)}}
-        for rank, (tid, lp) in enumerate(e.top, start=1):
-            pos.setdefault(str(tid), {"logprob": max(lp, MIN_LOGPROB), "rank": rank, "decoded_token": decode(tid)})
-        out.append(pos)
-    return out
+    """vllm_backend's shape: per position {token_id: {logprob, rank, decoded_token}}, sampled first
+    (adapters/vllm_logprobs.py)."""
+    return vllm_logprobs.logprobs_json(entries, decode)
 
 
 @dataclass
@@ -244,10 +238,15 @@ class TextResponseBuilder:
         self.decode_token = decode_token
         self.seqs = [_Sequence() for _ in range(request.params.n)]
         self.num_input_tokens = 0
+        self.prompt_logprobs: bytes | None = None
+        """The request's prompt logprobs as JSON (they come with sample 0's first delta)."""
 
     def add(self, out: RequestOutput) -> dict[str, np.ndarray] | None:
         seq = self.seqs[out.index]
         self.num_input_tokens = out.num_prompt_tokens
+        new_prompt_logprobs = out.prompt_logprobs is not None and self.request.params.prompt_logprobs is not None
+        if new_prompt_logprobs:
+            self.prompt_logprobs = json.dumps(logprobs_json(out.prompt_logprobs, self.decode_token)).encode()
         seq.text.append(out.text)
         seq.num_tokens += len(out.new_token_ids)
         seq.logprobs.extend(out.logprobs or ())
@@ -262,16 +261,19 @@ class TextResponseBuilder:
         views = [delta if i == out.index else _Sequence(finish_reason=self.seqs[i].finish_reason,
                                                         cumulative_logprob=self.seqs[i].cumulative_logprob)
                  for i in range(n)]
-        return self._outputs(views, prefix="")
+        return self._outputs(views, prefix="", prompt_logprobs=new_prompt_logprobs)
 
     def final(self) -> dict[str, np.ndarray]:
         prefix = "" if self.request.exclude_input_in_output else self.request.prompt
-        return self._outputs(self.seqs, prefix)
+        return self._outputs(self.seqs, prefix, prompt_logprobs=True)
 
-    def _outputs(self, seqs: Sequence[_Sequence], prefix: str) -> dict[str, np.ndarray]:
+    def _outputs(self, seqs: Sequence[_Sequence], prefix: str, prompt_logprobs: bool = False) -> dict[str, np.ndarray]:
+        """prompt_logprobs: include them (a stream sends them once, in the response they arrive with)."""
         returns = self.request.returns
         outputs = {"text_output": np.array([(prefix + "".join(s.text)).encode("utf-8") for s in seqs],
                                            dtype=np.object_)}
+        if prompt_logprobs and self.prompt_logprobs is not None:
+            outputs["prompt_logprobs"] = np.array([self.prompt_logprobs], dtype=np.object_)
         if "return_finish_reason" in returns:
             outputs["finish_reason"] = np.array([(s.finish_reason or "").encode() for s in seqs], dtype=np.object_)
         if "return_cumulative_logprob" in returns:

@@ -2,7 +2,9 @@
 
 The families and names come from adapters/engine_metrics.py (shared with KServe). A small thread
 refreshes them from the engine's lock-free MetricsSnapshot every `interval` seconds, and at once
-when `poke()` is called (after each finished request):
+when `poke()` is called (after each finished request). Every family is exported under its
+`pagedserve:` name and, where vLLM has it, under vLLM's (`vllm:`, with vllm_backend's labels
+`model` and `version`), beside `vllm:cache_config_info` (adapters/engine_metrics.py):
 
 * gauges are set to the snapshot's value;
 * counters are incremented by the change since the last refresh (MetricFamily counters only go up);
@@ -21,8 +23,12 @@ import math
 import threading
 from collections.abc import Callable
 
-from pagedserve.adapters.engine_metrics import ENGINE_METRICS, LABELLED_COUNTERS, MetricKind
+from pagedserve.adapters.engine_metrics import (CACHE_CONFIG_DESCRIPTION, CACHE_CONFIG_INFO, ENGINE_METRICS,
+                                                LABELLED_COUNTERS, VLLM_LABELLED_COUNTERS, VLLM_METRICS, MetricKind)
 from pagedserve.core.metrics import Histogram, MetricsSnapshot
+
+EXPORTED_METRICS = (*ENGINE_METRICS, *VLLM_METRICS)
+EXPORTED_LABELLED_COUNTERS = (*LABELLED_COUNTERS, *VLLM_LABELLED_COUNTERS)
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +65,8 @@ def replay_observations(prev: Histogram | None, cur: Histogram) -> list[float]:
 
 class TritonEngineMetrics:
     def __init__(self, pb_utils, read_snapshot: Callable[[], MetricsSnapshot], labels: dict[str, str],
-                 interval: float = 0.2) -> None:
+                 interval: float = 0.2, cache_config: dict[str, str] | None = None) -> None:
+        """cache_config: vllm:cache_config_info's labels (engine_metrics.cache_config_labels)."""
         self.pb_utils = pb_utils
         self.read_snapshot = read_snapshot
         self.labels = labels
@@ -69,7 +76,7 @@ class TritonEngineMetrics:
         # Keep a reference to every family and metric: Triton drops a family whose Python object dies.
         self.families = {}
         self.metrics = {}
-        for m in ENGINE_METRICS:
+        for m in EXPORTED_METRICS:
             family = MF(name=m.name, description=m.description, kind=kinds[m.kind])
             self.families[m.name] = family
             if m.kind is MetricKind.HISTOGRAM:
@@ -77,7 +84,12 @@ class TritonEngineMetrics:
                 self.metrics[m.name] = family.Metric(labels=labels, buckets=buckets)
             else:
                 self.metrics[m.name] = family.Metric(labels=labels)
-        for counter in LABELLED_COUNTERS:
+        if cache_config is not None:  # static: set once
+            family = self.families[CACHE_CONFIG_INFO] = MF(name=CACHE_CONFIG_INFO, description=CACHE_CONFIG_DESCRIPTION,
+                                                           kind=MF.GAUGE)
+            self.metrics[CACHE_CONFIG_INFO] = family.Metric(labels={**labels, **cache_config})
+            self.metrics[CACHE_CONFIG_INFO].set(1.0)
+        for counter in EXPORTED_LABELLED_COUNTERS:
             self.families[counter.name] = MF(name=counter.name, description=counter.description, kind=MF.COUNTER)
         self.labelled: dict[tuple[str, str], object] = {}
         """(family name, label value) -> its metric, created when the value first occurs."""
@@ -124,7 +136,7 @@ class TritonEngineMetrics:
             if self._closed:
                 return
             snap, last = self.read_snapshot(), self.last
-            for m in ENGINE_METRICS:
+            for m in EXPORTED_METRICS:
                 metric, value = self.metrics[m.name], m.read(snap)
                 if m.kind is MetricKind.GAUGE:
                     metric.set(float(value))
@@ -135,7 +147,7 @@ class TritonEngineMetrics:
                 else:
                     for v in replay_observations(m.read(last) if last is not None else None, value):
                         metric.observe(v)
-            for counter in LABELLED_COUNTERS:
+            for counter in EXPORTED_LABELLED_COUNTERS:
                 before = counter.read(last) if last is not None else {}
                 for value, count in counter.read(snap).items():
                     delta = count - before.get(value, 0)

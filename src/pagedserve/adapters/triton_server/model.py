@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from pagedserve.adapters.engine_metrics import cache_config_labels
 from pagedserve.adapters.triton_server.codec import timeout_seconds
 from pagedserve.adapters.triton_server.contracts import (ALL_INPUTS, Contract, ContractRequest, contract_from_config,
                                                          select_contract)
@@ -148,7 +149,8 @@ class TritonPythonModel:
         """The drain in progress (a concurrent Future), once Triton stopped routing to the model."""
         labels = {"model": args["model_name"], "version": args["model_version"]}
         engine = self.engine  # not `self`: a cycle would keep the model to the interpreter's teardown
-        self.metrics = TritonEngineMetrics(pb_utils, lambda: engine.metrics, labels)
+        self.metrics = TritonEngineMetrics(pb_utils, lambda: engine.metrics, labels,
+                                           cache_config=cache_config_labels(engine.model_info))
         # Last: its cancellation polls are calls to Triton too, and must not overlap creating the families.
         self._watcher = asyncio.run_coroutine_threadsafe(self._watch(), self.loop)
         logger.info("pagedserve: model %s (%s contract) ready", args["model_name"], self.allowed_contract)
