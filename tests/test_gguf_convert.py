@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gguf_fixtures import HEAD_DIM, HEADS, KV_HEADS, write_gguf
-from gguf_oracle import transformers_gguf
+from tests.gguf_fixtures import HEAD_DIM, HEADS, KV_HEADS, write_gguf
+from tests.gguf_oracle import transformers_gguf
 from pagedserve.core.models.gguf import ensure_gguf_model
 
 # Storage types mixed into each file: q/k land on quantized types too, so the llama un-permutation

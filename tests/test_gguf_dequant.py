@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_fixtures import quantized
+from tests.gguf_fixtures import quantized
 from pagedserve.core.errors import UnsupportedModel
 from pagedserve.core.models.gguf.dequant import SUPPORTED_TYPES, dequantize
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gguf_fixtures import write_gguf
-from gguf_oracle import transformers_gguf
+from tests.gguf_fixtures import write_gguf
+from tests.gguf_oracle import transformers_gguf
 from pagedserve.core.errors import ModelNotFound, UnsupportedModel
 from pagedserve.core.models import default_model as dm
 from pagedserve.core.models.gguf import CorruptModelFile, cache, ensure_gguf_model
