@@ -51,6 +51,18 @@ def test_model_path_gguf_converts_once_then_reuses(tmp_path, monkeypatch):
     assert dm.resolve_model_path(str(path)) == first
 
 
+def test_folder_with_one_gguf_is_served_like_the_file(tmp_path, monkeypatch):
+    """KServe's storage initializer puts a storageUri's .gguf into /mnt/models, the --model folder."""
+    folder = tmp_path / "mnt-models"
+    folder.mkdir()
+    path = write_gguf(folder / "tiny.gguf", "qwen3")
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
+    assert dm.resolve_model_path(str(folder)) == dm.resolve_model_path(str(path))
+    write_gguf(folder / "other.gguf", "qwen3")
+    with pytest.raises(ModelNotFound, match="several GGUF files"):
+        dm.resolve_model_path(str(folder))
+
+
 def test_missing_gguf_and_non_gguf_file(tmp_path):
     with pytest.raises(ModelNotFound, match="no-such.gguf"):
         dm.resolve_model_path(str(tmp_path / "no-such.gguf"))

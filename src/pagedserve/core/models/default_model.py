@@ -39,8 +39,9 @@ def resolve_model_path(model: str) -> Path:
     """Map a `--model` value to a Hugging Face model directory.
 
     One of `DEFAULT_MODEL_ALIASES` selects the embedded SmolLM2 (converted on first use); a path
-    ending in `.gguf` is converted once into the cache (gguf/); anything else must be a directory
-    holding `config.json` and at least one `*.safetensors` file.
+    ending in `.gguf` (or a directory holding one GGUF and no config.json) is converted once into
+    the cache (gguf/); anything else must be a directory holding `config.json` and at least one
+    `*.safetensors` file.
     """
     if model.strip().lower() in DEFAULT_MODEL_ALIASES:
         return ensure_default_model()
@@ -55,6 +56,16 @@ def resolve_model_path(model: str) -> Path:
     hint = f'(pass model="default" to use the embedded {DEFAULT_MODEL_ALIASES[1]})'
     if not path.is_dir():
         raise ModelNotFound(f"model path {str(path)!r} is not a directory {hint}")
+    ggufs = sorted(path.glob("*.gguf"))
+    if not (path / "config.json").is_file() and ggufs:
+        # A folder holding one GGUF: what KServe's storage initializer makes of a storageUri naming
+        # a .gguf file (the runtime passes --model=/mnt/models).
+        if len(ggufs) > 1:
+            raise ModelNotFound(
+                f"model directory {str(path)!r} holds several GGUF files ({', '.join(p.name for p in ggufs)}); "
+                "pass the one to serve as --model PATH.gguf"
+            )
+        return ensure_gguf_model(ggufs[0])
     missing = []
     if not (path / "config.json").is_file():
         missing.append("config.json")
