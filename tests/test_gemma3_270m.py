@@ -46,8 +46,6 @@ def test_weights_equal_transformers(gguf_path, converted):
     with safe_open(str(converted / "model.safetensors"), framework="pt") as ours:
         assert set(ours.keys()) == set(expected)
         mismatched = [n for n, t in expected.items() if not torch.equal(ours.get_tensor(n), t)]
-        # Gemma norms are stored +1 by llama.cpp: ours are back near 0, as in HF's checkpoint.
-        assert ours.get_tensor("model.norm.weight").abs().mean() < 10
     assert not mismatched
 
 
