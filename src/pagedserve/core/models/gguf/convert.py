@@ -1,0 +1,56 @@
+"""One GGUF file -> one Hugging Face model folder (config.json, model.safetensors, tokenizer)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pagedserve.core.errors import UnsupportedModel
+from pagedserve.core.models.gguf.dequant import check_type, dequantize
+from pagedserve.core.models.gguf.hf_config import build_config
+from pagedserve.core.models.gguf.metadata import CorruptModelFile, architecture, open_gguf
+from pagedserve.core.models.gguf.names import CONFIG_TENSORS, hf_name
+from pagedserve.core.models.gguf.tokenizer import write_tokenizer
+from pagedserve.core.models.gguf.transforms import to_hf_values
+
+
+def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True,
+                       require_chat_template: bool = False) -> None:
+    """Write the Hugging Face folder for `gguf_path` into the existing folder `out_dir`.
+
+    Every check that can refuse the file (architecture, tensor names, storage types, metadata) runs
+    before the first tensor is dequantized, so a refusal costs milliseconds, not a conversion.
+    Tensors are read with `gguf.GGUFReader` + `gguf.quants.dequantize` directly: transformers'
+    own GGUF model loading builds the model first and takes minutes on a small CPU.
+    """
+    import numpy as np
+    from safetensors.numpy import save_file
+    from tqdm import tqdm
+
+    gguf_path = Path(gguf_path)
+    reader = open_gguf(gguf_path)
+    arch = architecture(reader, gguf_path)
+    tensors = {t.name: t for t in reader.tensors}
+    config = build_config(reader, arch, tensors)
+    weights = [t for t in reader.tensors if t.name not in CONFIG_TENSORS]
+    names = {t.name: hf_name(arch, t.name) for t in weights}
+    for tensor in weights:
+        check_type(tensor)
+
+    out = {}
+    label = f"Converting {gguf_path.name}"
+    for tensor in tqdm(weights, desc=label, unit="tensor", disable=not progress):
+        try:
+            values = dequantize(tensor)
+        except UnsupportedModel:
+            raise
+        except Exception as exc:  # malformed block data surfaces here as a numpy error
+            raise CorruptModelFile(f"{gguf_path}: tensor {tensor.name!r} cannot be decoded ({exc})") from exc
+        out[names[tensor.name]] = np.ascontiguousarray(to_hf_values(arch, tensor.name, values, config))
+    save_file(out, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del out
+
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    write_tokenizer(gguf_path, out_dir, config["max_position_embeddings"], require_chat_template)
