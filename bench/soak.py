@@ -41,6 +41,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import FALLBACK_TEXT
+from bench.rss_trend import MIB, RssSampler, after_warmup, rss_bytes, slope_mib_per_1000, trace
 from tests.harness.kserve_launch import start_kserve
 
 MODEL_NAME = "soak"
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting-requests", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--num-kv-blocks", type=int, default=512)
+    p.add_argument("--sample-every", type=float, default=2.0, help="seconds between RSS samples")
+    p.add_argument("--warmup-requests", type=int, default=300,
+                   help="requests after which RSS must stay flat (see RSS below)")
     p.add_argument("--request-limit", type=float, default=300.0, help="a request not answered within this hung")
     return p
 
@@ -185,12 +189,17 @@ class Soak:
                                    for _ in range(n)), return_exceptions=True)
         return Counter({k: self.counts[k] - before[k] for k in self.counts})
 
-    async def run(self) -> Counter:
+    def requests_done(self) -> int:
+        return sum(self.counts.values()) + sum(self.errors.values())
+
+    async def run(self, rss: RssSampler) -> Counter:
         start = time.monotonic()
         until = start + self.args.duration
         clients = [self.client_loop(self.args.seed * 1000 + i, until) for i in range(self.args.concurrency)]
         burst = asyncio.ensure_future(self.burst(start + self.args.duration / 2))
+        sampler = asyncio.ensure_future(rss.run(until))
         await asyncio.gather(*clients)
+        await sampler
         return await burst
 
 
@@ -200,13 +209,6 @@ def scrape(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
             if s.name.startswith("pagedserve:") and s.labels.get("model") == MODEL_NAME and len(s.labels) == 2}
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 
 def kv_pool_bytes(model_dir: Path, num_blocks: int, block_size: int, dtype_bytes: int) -> int:
@@ -237,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     (tmp / "engine.json").write_text(json.dumps(settings))
     print(f"[soak] model {model_dir}, {args.duration:g} s, {args.concurrency} clients, seed {args.seed}, "
           f"max_num_seqs {args.max_num_seqs}, max_waiting_requests {args.max_waiting_requests}, "
-          f"{args.num_kv_blocks} KV blocks; server log {tmp / 'server.log'}", flush=True)
+          f"{args.num_kv_blocks} KV blocks; server log {tmp / 'server.log'}, RSS samples {tmp / 'rss.csv'}", flush=True)
     srv = start_kserve(model_dir, tmp / "server.log", MODEL_NAME, args=("--engine-config", str(tmp / "engine.json")),
                        env={"TOKENIZERS_PARALLELISM": "false"}, timeout=600)
     try:
@@ -246,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         soak = Soak(srv.url, args, lambda text: len(tokenizer(text).input_ids))
+        rss = RssSampler(srv.proc.pid, soak.requests_done, args.sample_every, tmp / "rss.csv")
         began = time.monotonic()
-        burst = asyncio.run(soak.run())
+        burst = asyncio.run(soak.run(rss))
         elapsed = time.monotonic() - began
         deadline = time.monotonic() + 60
         while True:  # idle: nothing running or waiting (a stream the client dropped is aborted within a step)
@@ -266,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype_bytes = 4 if str(config.model.dtype).endswith("float32") else 2
     kv_bytes = kv_pool_bytes(model_dir, args.num_kv_blocks, config.cache.block_size, dtype_bytes)
     total = sum(soak.counts.values()) + sum(soak.errors.values())
-    mib = 2**20
+    mib = MIB
     print(f"[soak] {total} requests in {elapsed:.0f} s: " + ", ".join(f"{k} {v}" for k, v in sorted(soak.counts.items())))
     print(f"[soak] while the burst of {args.max_num_seqs + args.max_waiting_requests + 16} ran (all clients): "
           + ", ".join(f"{k} {v}" for k, v in sorted(burst.items()) if v))
@@ -277,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[soak] RSS after warm-up {rss_start / mib:.0f} MiB, at the end {rss_end / mib:.0f} MiB "
           f"(growth {(rss_end - rss_start) / mib:+.0f} MiB; allowed: the KV pool {kv_bytes / mib:.0f} MiB "
           f"+ {RSS_SLACK_MIB} MiB)")
+    warm = after_warmup(rss.samples, args.warmup_requests)
+    print(f"[soak] RSS MiB by requests answered: {trace(rss.samples)}")
+    print(f"[soak] RSS slope after {args.warmup_requests} requests: {slope_mib_per_1000(warm):+.2f} MiB per 1,000 "
+          f"requests over {len(warm)} samples ({warm[0].requests if warm else 0}-{warm[-1].requests if warm else 0} requests)")
     print(f"[soak] TTFT p50 {pct(soak.ttft, 0.5) * 1e3:.0f} ms, p99 {pct(soak.ttft, 0.99) * 1e3:.0f} ms; "
           f"inter-token p50 {pct(soak.itl, 0.5) * 1e3:.0f} ms, p99 {pct(soak.itl, 0.99) * 1e3:.0f} ms "
           f"({len(soak.ttft)} streams, {len(soak.itl)} gaps)")
