@@ -96,3 +96,38 @@ def trace(samples: Sequence[RssSample], points: int = 12) -> str:
     if picked[-1] is not samples[-1]:
         picked.append(samples[-1])
     return " ".join(f"{s.requests}:{s.rss / MIB:.0f}" for s in picked)
+
+
+def warmup_requests_for(samples: Sequence[RssSample], wanted: int, share: float = 0.25) -> int:
+    """Requests that count as warm-up: `wanted`, or `share` of the run's requests when the run
+    answered fewer than wanted / share (a slow host still leaves most of its run to check)."""
+    total = samples[-1].requests if samples else 0
+    return min(wanted, int(total * share))
+
+
+@dataclass(frozen=True)
+class RssTrend:
+    """What a run's samples say about the memory after warm-up."""
+
+    warmup_requests: int
+    at_warmup: RssSample
+    """The first sample taken once warm-up was over."""
+    peak_after: int
+    """Highest RSS at or after warm-up, bytes."""
+    end: RssSample
+    slope: float
+    """MiB per 1,000 requests, fitted to the samples after warm-up."""
+
+    @property
+    def growth_after(self) -> int:
+        """Bytes: the higher of the end and the peak after warm-up, over RSS at warm-up."""
+        return max(self.end.rss, self.peak_after) - self.at_warmup.rss
+
+
+def trend_after_warmup(samples: Sequence[RssSample], wanted_warmup: int) -> RssTrend | None:
+    """None when there are no samples past warm-up."""
+    warmup = warmup_requests_for(samples, wanted_warmup)
+    warm = after_warmup(samples, warmup)
+    if not warm:
+        return None
+    return RssTrend(warmup, warm[0], max(s.rss for s in warm), warm[-1], slope_mib_per_1000(warm))
