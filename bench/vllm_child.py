@@ -104,6 +104,11 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--tokens-out", required=True)
     args = ap.parse_args()
+    # Both engines refuse a max_model_len past the model's own (a tiny test model has 1024).
+    with open(f"{args.model}/config.json", encoding="utf-8") as f:
+        limit = json.load(f).get("max_position_embeddings")
+    if limit:
+        args.max_model_len = min(args.max_model_len, limit)
     with open(args.workload, encoding="utf-8") as f:
         requests = json.load(f)["requests"]
     run = run_vllm if args.side == "vllm" else run_pagedserve

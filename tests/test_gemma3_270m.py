@@ -2,7 +2,7 @@
 
 Conversion is compared with transformers loading the same file: every tensor, the config fields
 transformers reads, and tokenizer ids. Serving it through the real servers is in
-tests/test_gemma3_serving.py.
+tests/test_gguf_serving.py.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ def files() -> list[Path]:
     found = [ROOT / "README.md", ROOT / "pyproject.toml"]
     for folder in FOLDERS:
         found += [p for p in (ROOT / folder).rglob("*") if p.suffix in SUFFIXES and p.is_file()
-                  and "data" not in p.relative_to(ROOT).parts and "__pycache__" not in p.parts]
+                  and "data" not in p.relative_to(ROOT).parts and "__pycache__" not in p.parts
+                  and not any(p.is_relative_to(ROOT / made) for made in MADE_AT_RUN_TIME)]
     return [p for p in found if p != Path(__file__).resolve()]
 
 

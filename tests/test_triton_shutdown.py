@@ -68,6 +68,12 @@ class Launched:
                 stdout=log, stderr=subprocess.STDOUT, env=one_thread_env())
         try:
             wait_http_ready(f"{self.http_url}/v2/models/pagedserve/ready", self.proc, self.log_path)
+            # and for the launcher to say so (it also waits for the metrics port): a signal before
+            # that is a stop during start-up, which the launcher reports with exit status 1
+            deadline = time.monotonic() + 60
+            while "pagedserve is serving" not in self.log_path.read_text(errors="replace"):
+                assert self.proc.poll() is None and time.monotonic() < deadline, tail(self.log_path)
+                time.sleep(0.05)
         except BaseException:
             self.close()
             raise

@@ -90,10 +90,12 @@ class LLMEngine:
         mark("config and tokenizer")
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         if self.max_model_len > self.arch.max_position_embeddings and not self.arch.rope_extends_context:
-            raise ConfigError(
-                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
-                f"{self.arch.max_position_embeddings}; lower max_model_len"
-            )
+            # A warning, as it has always been in effect (transformers 5 fills rope parameters in
+            # every config, so the check never fired before rope_extends_context): rotary
+            # positions are defined past the limit, and configs and tests rely on it.
+            logger.warning("max_model_len=%d exceeds the model's max_position_embeddings=%d and its rope "
+                           "does not extend the context: positions past %d are outside what it was trained on",
+                           self.max_model_len, self.arch.max_position_embeddings, self.arch.max_position_embeddings)
         self.eos_token_id = self.arch.eos_token_ids[0] if self.arch.eos_token_ids else self.tokenizer.eos_token_id
         self.threads = self._start_threads()
         if self.device.type == "cpu":
