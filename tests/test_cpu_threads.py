@@ -84,17 +84,18 @@ class FakeHost:
     the CPUs, advanced by `run(seconds, waiting=..., idle=...)` in CPUs' worth."""
 
     def __init__(self) -> None:
-        self.now = self.waited = self.idle = 0.0
+        self.now = self.waited = self.idle = self.throttled = 0.0
         self.set_calls: list[int] = []
 
-    def run(self, seconds: float, waiting: float = 0.0, idle: float = 0.0) -> None:
+    def run(self, seconds: float, waiting: float = 0.0, idle: float = 0.0, throttled: float = 0.0) -> None:
         self.now += seconds
         self.waited += waiting * seconds
         self.idle += idle * seconds
+        self.throttled += throttled * seconds
 
     def governor(self, start: int = 2, adaptive: bool = True) -> ThreadGovernor:
         return ThreadGovernor(ThreadPlan(start, adaptive, "test"), self.set_calls.append, cpus=[0, 1],
-                              interval=0.5, sample=lambda cpus, threads: Sample(self.now, self.waited, self.idle))
+                              interval=0.5, sample=lambda cpus: Sample(self.now, self.waited, self.idle, self.throttled))
 
     def step(self, gov: ThreadGovernor, seconds: float = 0.5, **figures: float) -> int:
         self.run(seconds, **figures)
@@ -147,12 +148,16 @@ def test_below_its_start_the_team_tries_a_thread_now_and_then_and_backs_off_whil
 
 
 def test_a_quota_that_throttles_the_team_is_not_taken_for_a_neighbour():
-    # read_sample takes throttled time out of the run delay: what remains is what others caused.
+    # 1.5 CPUs of quota on 2 cores: the team is throttled a quarter of the time, and both threads
+    # wait through it (0.5 CPUs' worth of run delay); the governor takes throttling out.
     host = FakeHost()
     gov = host.governor()
     for _ in range(4):
-        assert host.step(gov, waiting=0.0, idle=0.5) == 2
+        assert host.step(gov, waiting=0.5, idle=0.5, throttled=0.25) == 2
     assert host.set_calls == []
+    for _ in range(2):  # a neighbour on top of the quota still shows
+        host.step(gov, waiting=1.2, throttled=0.25)
+    assert gov.threads == 1
 
 
 def test_an_operator_count_or_a_single_thread_is_never_changed():
@@ -164,7 +169,7 @@ def test_an_operator_count_or_a_single_thread_is_never_changed():
 
 
 def test_without_schedstat_or_proc_stat_the_start_count_stays():
-    gov = ThreadGovernor(ThreadPlan(2, True, "test"), pytest.fail, cpus=[0, 1], sample=lambda cpus, threads: None)
+    gov = ThreadGovernor(ThreadPlan(2, True, "test"), pytest.fail, cpus=[0, 1], sample=lambda cpus: None)
     assert not gov.enabled
     gov.poll()
 

@@ -82,9 +82,11 @@ class Sample(NamedTuple):
     at: float
     """Clock seconds."""
     waited: float
-    """Seconds this process's threads have waited for a CPU, less quota throttling, cumulative."""
+    """Seconds the counted threads have waited for a CPU, cumulative (schedstat run delay)."""
     idle: float
     """Idle CPU-seconds of the affinity mask's CPUs, cumulative."""
+    throttled: float = 0.0
+    """Seconds the cgroup's quota has throttled the process, cumulative."""
 
 
 def process_run_delay(task_dir: str = "/proc/self/task", name: str | None = None) -> float | None:
@@ -123,12 +125,11 @@ def idle_cpu_seconds(cpus: list[int], stat_path: str = "/proc/stat") -> float | 
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def read_sample(cpus: list[int], threads: int, name: str | None = None) -> Sample | None:
+def read_sample(cpus: list[int], name: str | None = None) -> Sample | None:
     delay, idle = process_run_delay(name=name), idle_cpu_seconds(cpus)
     if delay is None or idle is None:
         return None
-    # Throttling by the quota delays every runnable thread of the team; take that out.
-    return Sample(time.monotonic(), delay - threads * cgroup_throttled_seconds(), idle)
+    return Sample(time.monotonic(), delay, idle, cgroup_throttled_seconds())
 
 
 class ThreadGovernor:
@@ -136,11 +137,11 @@ class ThreadGovernor:
 
     def __init__(self, plan: ThreadPlan, set_threads: Callable[[int], None], *,
                  cpus: list[int] | None = None, interval: float = INTERVAL_S,
-                 sample: Callable[[list[int], int], Sample | None] | None = None,
+                 sample: Callable[[list[int]], Sample | None] | None = None,
                  compute_threads_named: bool = False) -> None:
         if sample is None:
             name = COMPUTE_THREAD_NAME if compute_threads_named else None
-            sample = lambda cpus, threads: read_sample(cpus, threads, name)  # noqa: E731
+            sample = lambda cpus: read_sample(cpus, name)  # noqa: E731
         self.max_threads = self.threads = plan.start
         self.enabled = plan.adaptive and plan.start > 1
         self.changes = 0
@@ -154,7 +155,7 @@ class ThreadGovernor:
         self._next_probe = self._last.at + self._probe_wait if self._last else 0.0
 
     def _sample(self) -> Sample | None:
-        s = self._read(self._cpus, self.threads)
+        s = self._read(self._cpus)
         if s is None:
             self.enabled = False  # no schedstat or /proc/stat (not Linux, or hidden): keep the count
         return s
@@ -170,7 +171,9 @@ class ThreadGovernor:
         if current is None:
             return
         wall = current.at - self._last.at
-        waiting = (current.waited - self._last.waited) / wall
+        # Throttling by the quota delays every thread of the team at once: not a neighbour's doing.
+        throttled = (current.throttled - self._last.throttled) * self.threads
+        waiting = (current.waited - self._last.waited - throttled) / wall
         idle = (current.idle - self._last.idle) / wall
         self._last = current
         logger.debug("compute threads %d: waiting %.2f, idle %.2f CPUs", self.threads, waiting, idle)
