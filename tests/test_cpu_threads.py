@@ -110,8 +110,8 @@ def test_a_busy_neighbour_takes_a_thread_away_and_its_end_gives_it_back():
     assert host.step(gov, waiting=0.3) == 2  # the server's own threads, now and then
     assert host.step(gov, waiting=0.6) == 2  # ... even a burst: once is not a neighbour
     assert host.step(gov, waiting=0.1) == 2
-    assert host.step(gov, waiting=0.8) == 2  # a neighbour shares a core: the first look
-    assert host.step(gov, waiting=0.8) == 1 and host.set_calls == [1]  # and the second
+    assert host.step(gov, waiting=0.55) == 2  # a neighbour shares a core: the first look
+    assert host.step(gov, waiting=0.55) == 1 and host.set_calls == [1]  # and the second
     assert host.step(gov) == 1  # it keeps its core, we keep ours: nobody waits, nothing idle
     assert host.step(gov, idle=1.0) == 2  # gone: a core idles
     assert host.set_calls == [1, 2] and gov.changes == 2
@@ -121,8 +121,14 @@ def test_the_governor_looks_once_per_interval():
     host = FakeHost()
     gov = host.governor()
     assert host.step(gov, seconds=0.2, waiting=0.8) == 2  # too soon to judge
-    assert host.step(gov, seconds=0.4, waiting=0.8) == 2  # one look
-    assert host.step(gov, seconds=0.6, waiting=0.8) == 1  # two
+    assert host.step(gov, seconds=0.4, waiting=0.6) == 2  # one look
+    assert host.step(gov, seconds=0.6, waiting=0.6) == 1  # two
+
+
+def test_waiting_only_a_neighbour_causes_takes_a_thread_at_the_first_look():
+    host = FakeHost()
+    gov = host.governor()
+    assert host.step(gov, waiting=0.85) == 1
 
 
 def test_below_its_start_the_team_tries_a_thread_now_and_then_and_backs_off_while_it_fails():
@@ -193,14 +199,15 @@ def test_the_readers_take_their_figures_from_proc(tmp_path):
 
 
 # -- on this machine, for real -------------------------------------------------------------------
-def spin_pinned_for(cpu: int, seconds: float) -> None:
-    """Busy this thread on `cpu` for `seconds`, in torch (which drops the GIL): a compute thread."""
+def spin_pinned_for(cpu: int, seconds: float, stop: threading.Event) -> None:
+    """Busy this thread on `cpu` for `seconds` or until `stop`, in torch (which drops the GIL): a
+    compute thread."""
     import torch
 
     os.sched_setaffinity(0, {cpu})  # 0: this thread
     a = torch.randn(256, 256)
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    while time.monotonic() < end and not stop.is_set():
         a @ a
 
 
@@ -213,16 +220,20 @@ def test_a_real_busy_process_on_one_of_our_cpus_lowers_the_count():
     gov = ThreadGovernor(ThreadPlan(len(cpus), True, "test"), calls.append, cpus=cpus, interval=0.5)
     pin = lambda: os.sched_setaffinity(0, {cpus[-1]})
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pin) for _ in range(2)]
-    ours = threading.Thread(target=spin_pinned_for, args=(cpus[-1], 2.5), daemon=True)
+    stop = threading.Event()
+    ours = threading.Thread(target=spin_pinned_for, args=(cpus[-1], 8.0, stop), daemon=True)
     try:
         time.sleep(0.3)
         ours.start()
         time.sleep(0.2)
         gov._last = gov._sample()
-        for _ in range(2):  # two looks in a row
-            time.sleep(0.7)
+        for _ in range(10):  # a few seconds of looks: schedstat counts a wait when the thread next runs
+            time.sleep(0.6)
             gov.poll()
+            if gov.threads < len(cpus):
+                break
     finally:
+        stop.set()
         for p in spinners:
             p.kill()
             p.wait()

@@ -12,8 +12,8 @@ How. Twice a second the engine thread (`poll()`, before a step) reads two figure
   /proc/self/task/*/schedstat), less the time its cgroup's quota throttled it (cpu.stat): a quota
   stops the whole team at once and costs nothing at a barrier, a neighbour stops one thread. A
   same-priority neighbour on one of two cores makes the team wait 0.7-0.9 CPUs' worth; the
-  server's own threads, mostly under a third. At WAIT_LIMIT or more, two looks in a row, the team
-  loses a thread.
+  server's own threads, mostly under a third. At WAIT_LIMIT or more, two looks in a row (or one
+  look at CLEAR_WAIT), the team loses a thread.
 * idle: the CPUs of the affinity mask that nobody used (/proc/stat). With a core's worth idle
   (IDLE_LIMIT) the team gets a thread back, up to its start count.
 
@@ -51,6 +51,9 @@ cores: a busy neighbour sharing one core with a two-thread team made it wait 0.7
 (tritonserver's front end, the KServe event loop, a client on the same machine) mostly 0.05-0.3,
 once in a while 0.57 for one look, and there a thread fewer costs a third of the throughput. A
 quiet machine: under 0.1."""
+CLEAR_WAIT = 0.7
+"""CPUs' worth of waiting that takes a thread away at the first look: only a neighbour was seen to
+cause it, and under one each look at two threads lasts a slow step (seconds on 2 cores)."""
 IDLE_LIMIT = 0.7
 """CPUs' worth of idle time at which the team takes a thread back."""
 PROBE_S = 30.0
@@ -178,7 +181,7 @@ class ThreadGovernor:
         self._last = current
         logger.debug("compute threads %d: waiting %.2f, idle %.2f CPUs", self.threads, waiting, idle)
         waited_before, self._waited = self._waited, waiting >= WAIT_LIMIT
-        if self._waited and (waited_before or self._probing) and self.threads > 1:
+        if self._waited and (waited_before or self._probing or waiting >= CLEAR_WAIT) and self.threads > 1:
             if self._probing:  # the extra thread found no free core: try again later
                 self._probe_wait = min(PROBE_MAX_S, 2 * self._probe_wait)
             self._change(self.threads - 1, f"threads waited {waiting:.2f} CPUs' worth for a CPU")
