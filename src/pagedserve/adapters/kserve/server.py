@@ -21,6 +21,7 @@ import signal
 import sys
 from collections.abc import Callable
 
+from pagedserve.adapters.process_exit import exit_without_teardown
 from pagedserve.adapters.kserve.guards import API_KEY_ENV
 from pagedserve.adapters.kserve.tool_calls import add_tool_call_parser_arg
 from pagedserve.core.engine_args import add_engine_args, engine_config_from_args
@@ -141,13 +142,7 @@ def _exit_without_teardown(code: int) -> None:
     transformers and the engine's objects one by one returns nothing to the system that the exit
     does not, and it took 4-5 s of an idle server's 4.3-5.4 s from SIGTERM to exit here (the
     servers were down 0.1 s after the signal). Logs and output are flushed first."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream has nothing to flush
-            pass
-    os._exit(code)
+    exit_without_teardown(code)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ import itertools
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from pagedserve.adapters.process_exit import exit_without_teardown
 from pagedserve.adapters.engine_metrics import cache_config_labels
 from pagedserve.adapters.triton_server.codec import timeout_seconds
 from pagedserve.adapters.triton_server.contracts import (ALL_INPUTS, Contract, ContractRequest, contract_from_config,
@@ -99,13 +99,7 @@ def _exit_without_teardown() -> None:
     (torch, transformers, the engine's objects), which returns nothing to the system that the exit
     does not, and costs 0.3-0.7 s here and 4 s under load, time Triton's unload and shutdown wait
     for. Exit handlers registered before this one are skipped; logging's is the one that matters."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream has nothing to flush
-            pass
-    os._exit(0)
+    exit_without_teardown(0)
 
 
 @dataclass(eq=False)
