@@ -108,9 +108,13 @@ class HeldBlockWatch:
 
     def check(self) -> None:
         self.kv.check_invariants()
-        live = {seq_id: self.kv.get_blocks(r) for seq_id, r in self.scheduler.requests.items()}
+        # The null block stands in for blocks a sliding-window group has returned (core/kv_cache/layout.py).
+        live = {seq_id: [b for b in self.kv.get_blocks(r) if b is not self.kv.null_block]
+                for seq_id, r in self.scheduler.requests.items()}
         live = {seq_id: blocks for seq_id, blocks in live.items() if blocks}
-        self.seen = {k: h for k, h in self.seen.items() if k[0] in live}  # preempted or finished
+        held = {(seq_id, b.block_id) for seq_id, blocks in live.items() for b in blocks}
+        # Preempted, finished, or (sliding window) returned to the pool: held no longer.
+        self.seen = {k: h for k, h in self.seen.items() if k in held}
         for seq_id, blocks in live.items():
             for b in blocks:
                 assert b.ref_cnt >= 1

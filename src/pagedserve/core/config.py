@@ -76,6 +76,10 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     """Exact number of KV blocks; overrides the memory budget (tests, reproducible benchmarks)."""
     enable_prefix_caching: bool = True
+    disable_hybrid_kv_cache_manager: bool = False
+    """True: every layer keeps the KV of the whole sequence, as before layer groups. False (default):
+    sliding-window layers (Gemma 2/3, Mistral, Phi-3) return blocks older than their window to the
+    pool, so more sequences fit (core/kv_cache/layout.py; vLLM's flag of the same name)."""
 
     def __post_init__(self) -> None:
         check_range(ConfigError, "block_size", self.block_size, 1, 1024)

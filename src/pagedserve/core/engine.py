@@ -16,7 +16,8 @@ from pagedserve.core.cpu_threads import ThreadPlan, thread_plan
 from pagedserve.core.thread_governor import ThreadGovernor, name_compute_threads
 from pagedserve.core.errors import ConfigError, DuplicateRequest, InvalidRequest, RequestTooLong
 from pagedserve.core.kv_cache.cache_tensors import KVCacheSpec, make_kv_cache_spec
-from pagedserve.core.kv_cache.manager import KVCacheManager, cdiv
+from pagedserve.core.kv_cache.layout import make_kv_cache_layout
+from pagedserve.core.kv_cache.manager import KVCacheManager
 from pagedserve.core.kv_cache.prefix_hash import check_cache_salt
 from pagedserve.core.layers.attention import select_attention_backend
 from pagedserve.core.layers.onednn_cache import bound_onednn_caches
@@ -104,14 +105,18 @@ class LLMEngine:
         mark("kernels")
         model = load_decoder(self.model_path, self.arch, self.dtype, self.device, self.max_model_len, kernels)
         mark("weights")
+        # Layer groups (sliding-window layers keep only their window): core/kv_cache/layout.py.
+        self.kv_layout = layout = make_kv_cache_layout(self.arch.sliding_windows,
+                                                       hybrid=not cc.disable_hybrid_kv_cache_manager)
         # KV cache dtype, scales (int8/fp8) and bytes per block: core/kv_cache/cache_tensors.py.
         self.kv_cache_spec = kv_spec = make_kv_cache_spec(
             cc.kv_cache_dtype, self.dtype, self.arch.num_layers, cc.block_size, self.arch.num_kv_heads,
-            self.arch.head_dim, self.model_path)
+            self.arch.head_dim, self.model_path, layout.layers_per_block)
         self.num_kv_blocks = self._num_kv_blocks(kv_spec)
-        self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, cc.block_size, cc.enable_prefix_caching,
+                                               layout, config.scheduler.max_num_batched_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
-        self.runner = ModelRunner(model, self.num_kv_blocks, cc.block_size, kv_spec)
+        self.runner = ModelRunner(model, self.num_kv_blocks, cc.block_size, kv_spec, layout)
         mark("KV cache")
         self._ids = itertools.count()
         self._requests: dict[str, EngineRequest] = {}
@@ -163,9 +168,11 @@ class LLMEngine:
             # max_model_len tokens can ever need (blocks are also only touched when used, see
             # cache_tensors.lazy_zeros), so kv_cache_usage_perc is a share of a pool that can fill.
             budget = DEFAULT_CPU_KV_CACHE_MEMORY
-            blocks_per_seq = cdiv(self.max_model_len, cc.block_size)
+            blocks_per_seq = self.kv_layout.max_blocks_per_seq(
+                self.max_model_len, cc.block_size, self.config.scheduler.max_num_batched_tokens)
             budget = min(budget, self.config.scheduler.max_num_seqs * blocks_per_seq * per_block)
-        num_blocks = kv_spec.num_blocks(budget)
+        # A layout that frees blocks has one more row for its null block: it comes out of the budget.
+        num_blocks = kv_spec.num_blocks(budget) - int(self.kv_layout.frees_blocks)
         if num_blocks < 1:
             raise ConfigError(
                 f"kv_cache_memory={budget} bytes holds no KV block ({per_block} bytes each); raise kv_cache_memory"

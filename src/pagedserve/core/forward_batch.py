@@ -12,7 +12,8 @@ class ForwardBatch:
     """A packed varlen batch: the scheduled tokens of B requests laid end to end (no padding).
 
     input_ids, positions, slot_mapping: [num_tokens]; query_start_loc: int32 [B + 1];
-    seq_lens: int32 [B], tokens in the cache after this step; block_table: int32 [B, max_blocks];
+    seq_lens: int32 [B], tokens in the cache after this step; block_table: int32 [B, max_blocks]
+    (of layer group 0; the other groups' are in group_tables);
     logits_indices: int64 [num_sampled], the rows whose logits are needed (each request's last
     token when it samples). max_query_len / max_seq_len are host ints so kernels never sync.
     """
@@ -30,6 +31,13 @@ class ForwardBatch:
     """int64 [num_tokens]: max(the token's request's prompt length, position + 1), the sequence
     length transformers computes a length-dependent rope (longrope, dynamic NTK) for; None for the
     other rope types (core/layers/rotary.py)."""
+    group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    """(block_table, slot_mapping) of layer groups 1.. (core/kv_cache/layout.py); block_table and
+    slot_mapping above are group 0's. Empty for a model with one group."""
+
+    def cache_indexing(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block table and slot mapping of a layer group."""
+        return (self.block_table, self.slot_mapping) if group == 0 else self.group_tables[group - 1]
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,7 @@ import torch
 
 from pagedserve.core.forward_batch import ForwardBatch
 from pagedserve.core.kv_cache.cache_tensors import KVCacheSpec, allocate_kv_caches
+from pagedserve.core.kv_cache.layout import KVCacheLayout
 from pagedserve.core.models.llama import LlamaDecoder
 from pagedserve.core.outputs import TokenLogprobs
 from pagedserve.core.sampler import Sampler, compute_logprobs
@@ -19,14 +20,17 @@ from pagedserve.core.structured_output.manager import GrammarBitmask
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaDecoder, num_blocks: int, block_size: int, kv_spec: KVCacheSpec) -> None:
-        """kv_spec: the cache's dtype, scales and layout (core/kv_cache/cache_tensors.py)."""
+    def __init__(self, model: LlamaDecoder, num_blocks: int, block_size: int, kv_spec: KVCacheSpec,
+                 layout: KVCacheLayout | None = None) -> None:
+        """kv_spec: the cache's dtype, scales and layout (core/kv_cache/cache_tensors.py);
+        layout: the layer groups, each with its own block table (None: one group)."""
         self.model = model
         self.block_size = block_size
         self.device = model.device
         assert kv_spec.block_size == block_size, f"kv_spec.block_size={kv_spec.block_size} != {block_size}"
         self.kv_spec = kv_spec
-        self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, self.device)
+        self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, self.device, layout)
+        self.num_groups = layout.num_groups if layout is not None else 1
         self.sampler = Sampler(getattr(model.kernels, "argmax_rows", None))
 
     def prepare(self, out: SchedulerOutput) -> ForwardBatch:
@@ -40,15 +44,8 @@ class ModelRunner:
         # position of token j = start of its request + (j - first row of its request)
         positions = np.repeat(starts - query_start_loc[:-1], q_lens) + np.arange(num_tokens)
         seq_lens = starts + q_lens
-        max_blocks = max(len(r.block_ids) for r in reqs)
-        block_table = np.zeros((len(reqs), max_blocks), dtype=np.int32)
-        for i, r in enumerate(reqs):
-            block_table[i, : len(r.block_ids)] = r.block_ids
         row_of_token = np.repeat(np.arange(len(reqs)), q_lens)
-        slot_mapping = (
-            block_table[row_of_token, positions // self.block_size].astype(np.int64) * self.block_size
-            + positions % self.block_size
-        )
+        block_table, slot_mapping = self._cache_indexing([r.block_ids for r in reqs], row_of_token, positions)
         # Each request needs the logits of its last k rows (k from _num_logits_rows).
         counts = np.fromiter((self._num_logits_rows(r) for r in reqs), dtype=np.int64, count=len(reqs))
         first_out = np.zeros(len(reqs), dtype=np.int64)
@@ -64,6 +61,11 @@ class ModelRunner:
             prompt_lens = np.fromiter((len(r.prompt_token_ids) for r in reqs), dtype=np.int64, count=len(reqs))
             rope_lengths = dev(np.maximum(np.repeat(prompt_lens, q_lens), positions + 1))
 
+        group_tables = ()
+        if self.num_groups > 1:
+            group_tables = tuple(
+                tuple(map(dev, self._cache_indexing([r.group_block_ids[g] for r in reqs], row_of_token, positions)))
+                for g in range(self.num_groups - 1))
         return ForwardBatch(
             input_ids=dev(input_ids),
             positions=dev(positions),
@@ -75,7 +77,20 @@ class ModelRunner:
             max_query_len=int(q_lens.max()),
             max_seq_len=int(seq_lens.max()),
             rope_lengths=rope_lengths,
+            group_tables=group_tables,
         )
+
+    def _cache_indexing(self, block_ids: list[tuple[int, ...]], row_of_token: np.ndarray,
+                        positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One layer group's block table [B, max_blocks] and the cache slot of every token."""
+        block_table = np.zeros((len(block_ids), max(len(ids) for ids in block_ids)), dtype=np.int32)
+        for i, ids in enumerate(block_ids):
+            block_table[i, : len(ids)] = ids
+        slot_mapping = (
+            block_table[row_of_token, positions // self.block_size].astype(np.int64) * self.block_size
+            + positions % self.block_size
+        )
+        return block_table, slot_mapping
 
     @staticmethod
     def _wants_prompt_logprobs(r: ScheduledRequest) -> bool:

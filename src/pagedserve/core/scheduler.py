@@ -159,7 +159,10 @@ class Scheduler:
             return [], 0, False
         leader = request.prompt_leader
         if leader is not None and leader.status == RequestStatus.RUNNING:
-            return (*self.kv.get_shared_prompt_blocks(leader, request), True)
+            blocks, num_tokens = self.kv.get_shared_prompt_blocks(leader, request)
+            # A sliding-window group may have freed what the sample needs: try the prefix cache then.
+            if num_tokens or self.kv.null_block is None:
+                return blocks, num_tokens, True
         return (*self.kv.get_computed_blocks(request), False)
 
     def _num_tokens_to_compute(self, request: Request, budget: int, already: int = 0) -> int:
@@ -175,12 +178,19 @@ class Scheduler:
             token_ids=tuple(request.token_ids_slice(start, start + n)),
             start_position=start,
             block_ids=tuple(self.kv.get_block_ids(request)),
+            group_block_ids=self._group_block_ids(request),
             sample=start + n == request.num_tokens,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=tuple(request.output_token_ids),
             eos_token_id=request.eos_token_id,
         )
+
+    def _group_block_ids(self, request: Request) -> tuple[tuple[int, ...], ...]:
+        """Block ids of layer groups 1.. (none for a model with one group: no extra work per step)."""
+        if self.kv.num_groups == 1:
+            return ()
+        return tuple(tuple(ids) for ids in self.kv.get_group_block_ids(request)[1:])
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 
 from pagedserve.core.config import SCHEDULING_POLICIES
 from pagedserve.core.kv_cache.block_pool import KVBlock
-from pagedserve.core.kv_cache.manager import cdiv
 from pagedserve.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -151,7 +150,7 @@ class ThroughputPolicy(PrefixPolicy):
         super().order(scheduler)
         kv = scheduler.kv
         # Blocks held now plus what running requests still add before reaching max_tokens.
-        growth = sum(max(cdiv(r.num_prompt_tokens + r.max_tokens, kv.block_size) - kv.num_held_blocks(r), 0)
+        growth = sum(max(kv.max_blocks_per_seq(r.num_prompt_tokens + r.max_tokens) - kv.num_held_blocks(r), 0)
                      for r in scheduler.running)
         self._projected_blocks = kv.num_used_blocks + growth
 
@@ -162,8 +161,8 @@ class ThroughputPolicy(PrefixPolicy):
             return decision
         kv = scheduler.kv
         revived = sum(1 for b in hits if b.ref_cnt == 0)
-        final_blocks = cdiv(request.num_prompt_tokens + request.max_tokens, kv.block_size)
-        cost = max(final_blocks - kv.num_held_blocks(request) - len(hits), 0) + revived
+        final_blocks = kv.max_blocks_per_seq(request.num_prompt_tokens + request.max_tokens)
+        cost = max(final_blocks - kv.num_held_blocks(request) - kv.num_hit_blocks(hits), 0) + revived
         if self._projected_blocks + cost > kv.num_blocks and not self.is_aged(request, self.clock()):
             return Admission.STOP
         self._projected_blocks += cost

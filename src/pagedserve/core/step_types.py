@@ -39,6 +39,8 @@ class ScheduledRequest:
     output_token_ids: tuple[int, ...]
     """Tokens generated so far (for penalties); empty until the first sample."""
     eos_token_id: int | None
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
+    """Block ids of layer groups 1.. (core/kv_cache/layout.py); block_ids is group 0's. Empty with one group."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ import torch
 
 from pagedserve.core.config import check_kv_cache_dtype
 from pagedserve.core.errors import ConfigError
+from pagedserve.core.kv_cache.layout import KVCacheLayout, single_group_layout
 from pagedserve.kernels.kv_dtypes import KV_CACHE_DTYPES
 from pagedserve.kernels.kv_quant import DYNAMIC_SCALE_DTYPE, FP8_DTYPES, STATIC_SCALE_DTYPE, is_quantized
 
@@ -40,6 +41,8 @@ class KVCacheTensors:
     value_cache: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    group: int = 0
+    """The layer group (core/kv_cache/layout.py) whose block table indexes these tensors."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,9 @@ class KVCacheSpec:
     """Storage dtype of key_cache / value_cache."""
     static_scales: tuple[tuple[float, float], ...] | None = None
     """Per layer (k_scale, v_scale) from the checkpoint; None: dynamic scales (quantized caches)."""
+    layers_per_block: int | None = None
+    """Layers whose K/V one pool block holds: None, every layer; a group's size when layer groups
+    share cache tensors (core/kv_cache/layout.py)."""
 
     def __post_init__(self) -> None:
         if self.static_scales is not None:
@@ -68,12 +74,12 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V of one block across all layers, scales included."""
+        """K and V of one block across the layers it holds, scales included."""
         slots = self.block_size * self.num_kv_heads
         per_tensor = slots * self.head_dim * self.dtype.itemsize
         if self.dynamic_scales:
             per_tensor += slots * DYNAMIC_SCALE_DTYPE.itemsize
-        return self.num_layers * 2 * per_tensor
+        return (self.layers_per_block or self.num_layers) * 2 * per_tensor
 
     def num_blocks(self, budget_bytes: int) -> int:
         """Whole blocks (scales included) that fit budget_bytes."""
@@ -87,13 +93,14 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def make_kv_cache_spec(kv_cache_dtype: str, model_dtype: torch.dtype, num_layers: int, block_size: int,
-                       num_kv_heads: int, head_dim: int, model_path: Path | None = None) -> KVCacheSpec:
+                       num_kv_heads: int, head_dim: int, model_path: Path | None = None,
+                       layers_per_block: int | None = None) -> KVCacheSpec:
     """The engine's spec: static scales come from the checkpoint for fp8 caches when it has them."""
     dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype)
     static = load_static_kv_scales(model_path, num_layers) if dtype in FP8_DTYPES and model_path is not None else None
     if static is not None:
         logger.info("KV cache %s: using the checkpoint's static per-tensor k/v scales", kv_cache_dtype)
-    return KVCacheSpec(num_layers, block_size, num_kv_heads, head_dim, dtype, static)
+    return KVCacheSpec(num_layers, block_size, num_kv_heads, head_dim, dtype, static, layers_per_block)
 
 
 def load_static_kv_scales(model_path: Path, num_layers: int) -> tuple[tuple[float, float], ...] | None:
@@ -133,19 +140,31 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps `buffer` alive
 
 
-def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[KVCacheTensors]:
-    """Zeroed caches (and scales) for every layer; on CPU untouched until blocks are used."""
-    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    caches = []
-    for layer in range(spec.num_layers):
-        k_scale = v_scale = None
+def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device,
+                       layout: KVCacheLayout | None = None) -> list[KVCacheTensors]:
+    """Zeroed caches (and scales) for every layer; on CPU untouched until blocks are used.
+
+    layout: layer groups sharing cache tensors; the j-th layer of each group gets tensor j, and the
+    tensors have one row past the pool for the null block when a group frees blocks. None: one
+    tensor per layer (one group)."""
+    if layout is None:
+        layout = single_group_layout(spec.num_layers)
+    assert layout.num_layers == spec.num_layers, f"layout has {layout.num_layers} layers, spec {spec.num_layers}"
+    assert (spec.layers_per_block or spec.num_layers) == layout.layers_per_block, "spec and layout disagree on layers per block"
+    rows = num_blocks + (1 if layout.frees_blocks else 0)
+    shape = (rows, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    shared = []
+    for _ in range(layout.layers_per_block):
+        scales = (None, None)
         if spec.dynamic_scales:
-            k_scale = lazy_zeros(shape[:3], DYNAMIC_SCALE_DTYPE, device)
-            v_scale = lazy_zeros(shape[:3], DYNAMIC_SCALE_DTYPE, device)
-        elif spec.static_scales is not None:
+            scales = (lazy_zeros(shape[:3], DYNAMIC_SCALE_DTYPE, device), lazy_zeros(shape[:3], DYNAMIC_SCALE_DTYPE, device))
+        shared.append((lazy_zeros(shape, spec.dtype, device), lazy_zeros(shape, spec.dtype, device), *scales))
+    caches = []
+    for layer, (group, j) in enumerate(layout.group_and_tensor_of_layers()):
+        key, value, k_scale, v_scale = shared[j]
+        if spec.static_scales is not None:
             k, v = spec.static_scales[layer]
             k_scale = torch.tensor(k, dtype=STATIC_SCALE_DTYPE, device=device)
             v_scale = torch.tensor(v, dtype=STATIC_SCALE_DTYPE, device=device)
-        caches.append(KVCacheTensors(lazy_zeros(shape, spec.dtype, device), lazy_zeros(shape, spec.dtype, device),
-                                     k_scale, v_scale))
+        caches.append(KVCacheTensors(key, value, k_scale, v_scale, group))
     return caches

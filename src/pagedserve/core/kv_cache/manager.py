@@ -3,8 +3,15 @@
 The scheduler talks to this class only (never to the pool): it asks for the blocks a request can
 reuse, then for room for n more tokens, and gets blocks or None (out of memory: preempt); it reads
 the pool's counters through the properties here. Per sample the manager keeps one record (its
-blocks, its block hashes, how many of its blocks are registered in the prefix cache), keyed by
-Request.seq_id and dropped by `forget` when the sample finishes.
+block tables, its block hashes, how many of its blocks are registered in the prefix cache), keyed
+by Request.seq_id and dropped by `forget` when the sample finishes.
+
+Layer groups (core/kv_cache/layout.py): a sample has one block table per group, all of the same
+length. A sliding-window group's blocks that fall wholly before its window go back to the pool as
+the sample advances (`allocate_slots`), replaced by the null block: a block id past the pool that
+no sample owns and nothing writes. Block lists that cross this API for several groups (prefix
+hits, shared prompt blocks, `allocate_slots`' result) are the groups' lists laid end to end; with
+one group they are that group's list, as before groups existed.
 """
 
 from __future__ import annotations
@@ -13,12 +20,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from pagedserve.core.kv_cache.block_pool import BlockPool, KVBlock
+from pagedserve.core.kv_cache.group_hits import hit_blocks, longest_hit
+from pagedserve.core.kv_cache.layout import KVCacheLayout, cdiv, single_group_layout
 from pagedserve.core.kv_cache.prefix_hash import extend_block_hashes
 from pagedserve.core.request import Request
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+__all__ = ["KVCacheManager", "PrefixCacheStats", "cdiv"]
 
 
 @dataclass(slots=True)
@@ -33,19 +40,37 @@ class PrefixCacheStats:
 class _SampleBlocks:
     """The manager's state for one sample."""
 
-    blocks: list[KVBlock] = field(default_factory=list)
-    """Its block table, in token order; emptied when it is preempted or finishes."""
+    tables: list[list[KVBlock]]
+    """Its block table per layer group, in token order; emptied when it is preempted or finishes."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Hashes of its full blocks of tokens; kept across preemption (the tokens do not change)."""
     num_cached_blocks: int = 0
-    """Leading blocks already registered in the prefix cache."""
+    """Leading blocks already registered in the prefix cache (the same count in every group)."""
+    num_skipped: list[int] = field(default_factory=list)
+    """Per group: leading table entries already past the window (null); 0 for full attention."""
+
+
+def _group_key(group: int, block_hash: bytes) -> bytes:
+    """The prefix-cache key of a block of `group`: groups hold the same tokens in different blocks
+    (different layers' K/V), so each registers its own; group 0 keeps the plain hash."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(4, "little")
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 layout: KVCacheLayout | None = None, max_chunk_tokens: int | None = None) -> None:
+        """layout: the layer groups (default: one group keeping every block).
+        max_chunk_tokens: the most tokens one sample computes in a step (the scheduler's token
+        budget); bounds what a sliding group holds, for `can_fit`."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.layout = layout or single_group_layout(1)
+        self.windows = tuple(g.sliding_window for g in self.layout.groups)
+        self.num_groups = len(self.windows)
+        self.max_chunk_tokens = max_chunk_tokens
         self._pool = BlockPool(num_blocks)
+        self.null_block: KVBlock | None = KVBlock(num_blocks, ref_cnt=1) if self.layout.frees_blocks else None
+        """Stands in for freed blocks before a window; its id is the cache tensors' extra row."""
         self._samples: dict[int, _SampleBlocks] = {}
         """seq_id -> the sample's blocks and hashes, from its first lookup until `forget`."""
         self.prefix_stats = PrefixCacheStats()
@@ -75,7 +100,7 @@ class KVCacheManager:
         return self._pool.num_used_blocks / self._pool.num_blocks
 
     def cached_block(self, block_hash: bytes) -> KVBlock | None:
-        """The block with this hash in the prefix cache (held or free), or None."""
+        """Group 0's block with this hash in the prefix cache (held or free), or None."""
         return self._pool.get_cached_block(block_hash)
 
     # -- per sample --------------------------------------------------------------------------------
@@ -85,7 +110,8 @@ class KVCacheManager:
     def _state(self, request: Request) -> _SampleBlocks:
         state = self._samples.get(request.seq_id)
         if state is None:
-            state = self._samples[request.seq_id] = _SampleBlocks()
+            g = self.num_groups
+            state = self._samples[request.seq_id] = _SampleBlocks([[] for _ in range(g)], num_skipped=[0] * g)
         return state
 
     def _block_hashes(self, request: Request) -> list[bytes]:
@@ -102,32 +128,50 @@ class KVCacheManager:
         return self._block_hashes(request) if self._uses_cache(request) else []
 
     def num_held_blocks(self, request: Request) -> int:
+        """Pool blocks the sample holds, over all groups (null placeholders excluded)."""
+        return sum(self.num_held_blocks_per_group(request))
+
+    def num_held_blocks_per_group(self, request: Request) -> list[int]:
         state = self._samples.get(request.seq_id)
-        return len(state.blocks) if state is not None else 0
+        if state is None:
+            return [0] * self.num_groups
+        return [sum(1 for b in table if b is not self.null_block) for table in state.tables]
 
     def get_blocks(self, request: Request) -> list[KVBlock]:
-        """The sample's block table (a copy)."""
+        """The sample's block table of group 0 (a copy)."""
         state = self._samples.get(request.seq_id)
-        return list(state.blocks) if state is not None else []
+        return list(state.tables[0]) if state is not None else []
 
     def get_block_ids(self, request: Request) -> list[int]:
+        """Group 0's block ids."""
         state = self._samples.get(request.seq_id)
-        return [b.block_id for b in state.blocks] if state is not None else []
+        return [b.block_id for b in state.tables[0]] if state is not None else []
+
+    def get_group_block_ids(self, request: Request) -> list[list[int]]:
+        """Every group's block ids (null placeholders as the null block's id)."""
+        state = self._samples.get(request.seq_id)
+        if state is None:
+            return [[] for _ in range(self.num_groups)]
+        return [[b.block_id for b in table] for table in state.tables]
+
+    def num_hit_blocks(self, hits: list[KVBlock]) -> int:
+        """Pool blocks in a list of reusable blocks (the null placeholders cost nothing)."""
+        return sum(1 for b in hits if b is not self.null_block)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """The longest run of cached full blocks starting the request's tokens, and its length in
-        tokens. The last token is never taken from the cache: it must run to produce logits."""
+        """The longest prefix of the request's full blocks that every group has cached, and its
+        length in tokens. The last token is never taken from the cache: it must run to produce logits."""
         if not self._uses_cache(request):
             return [], 0
         hashes = self._block_hashes(request)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVBlock] = []
-        for block_hash in hashes[:max_hit_blocks]:
-            block = self.cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+        limit = min((request.num_tokens - 1) // self.block_size, len(hashes))
+        pool = self._pool
+
+        def lookup(group: int, i: int) -> KVBlock | None:
+            return pool.get_cached_block(_group_key(group, hashes[i]))
+
+        h = longest_hit(self.windows, self.block_size, limit, lookup)
+        return hit_blocks(self.windows, self.block_size, h, lookup, self.null_block), h * self.block_size
 
     def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count one lookup once the request is admitted: a request that waits at the head of the
@@ -138,40 +182,79 @@ class KVCacheManager:
 
     def get_shared_prompt_blocks(self, leader: Request, request: Request) -> tuple[list[KVBlock], int]:
         """The leader's full blocks that hold only prompt tokens the sample shares (n > 1), with
-        the same rule as a prefix hit: the sample computes at least its last prompt token."""
+        the same rule as a prefix hit: the sample computes at least its last prompt token. A
+        sliding group must still hold the window before the shared prefix's end, else the prefix
+        is cut back to what every group holds (often nothing once the leader has moved on)."""
+        state = self._samples.get(leader.seq_id)
+        if state is None:
+            return [], 0
         usable = min(leader.num_computed_tokens, request.num_prompt_tokens - 1) // self.block_size
-        blocks = self.get_blocks(leader)[:usable]
-        return blocks, len(blocks) * self.block_size
+        tables, null = state.tables, self.null_block
+
+        def lookup(group: int, i: int) -> KVBlock | None:
+            table = tables[group]
+            return table[i] if i < len(table) and table[i] is not null else None
+
+        h = longest_hit(self.windows, self.block_size, usable, lookup)
+        return hit_blocks(self.windows, self.block_size, h, lookup, null), h * self.block_size
+
+    def max_blocks_per_seq(self, num_tokens: int) -> int:
+        """Most pool blocks a sample of num_tokens holds at once, over all groups."""
+        return self.layout.max_blocks_per_seq(num_tokens, self.block_size, self.max_chunk_tokens)
 
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a request of num_tokens could ever fit in the pool (with nothing else running)."""
-        return cdiv(num_tokens, self.block_size) <= self._pool.num_blocks
+        return self.max_blocks_per_seq(num_tokens) <= self._pool.num_blocks
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
     ) -> list[KVBlock] | None:
         """Make room for num_new_tokens after the request's computed tokens (and prefix hits).
 
-        Returns the newly allocated blocks, or None, without side effects, if the pool is short.
+        Sliding groups first return the blocks their window has left behind. Returns the newly
+        allocated blocks (the groups' laid end to end), or None, without allocating, if the pool is short.
         """
         hits = new_computed_blocks or []
+        num_hit = len(hits) // self.num_groups
         state = self._samples.get(request.seq_id)
-        num_held = len(state.blocks) if state is not None else 0
-        num_computed = request.num_computed_tokens + len(hits) * self.block_size
-        num_needed = cdiv(num_computed + num_new_tokens, self.block_size) - num_held - len(hits)
+        num_held = len(state.tables[0]) if state is not None else 0
+        num_computed = request.num_computed_tokens + num_hit * self.block_size
+        if state is not None and self.null_block is not None:
+            self._free_outside_window(state, num_computed)
+        num_needed = max(cdiv(num_computed + num_new_tokens, self.block_size) - num_held - num_hit, 0)
         # A hit on a free block takes it out of the free queue, so it costs capacity too.
         num_revived = sum(1 for b in hits if b.ref_cnt == 0)
-        if num_needed > self._pool.num_free_blocks - num_revived:
+        if num_needed * self.num_groups > self._pool.num_free_blocks - num_revived:
             return None
-        self._pool.touch(hits)
-        new_blocks = self._pool.get_new_blocks(max(num_needed, 0))
+        self._pool.touch(b for b in hits if b is not self.null_block)
         if state is None:
             state = self._state(request)
-        state.blocks.extend(hits)
-        state.blocks.extend(new_blocks)
+        new_blocks = []
+        for g, table in enumerate(state.tables):
+            table.extend(hits[g * num_hit:(g + 1) * num_hit])
+            blocks = self._pool.get_new_blocks(num_needed)
+            table.extend(blocks)
+            new_blocks.extend(blocks)
         if self._uses_cache(request):
             self._cache_full_blocks(request, state, (num_computed + num_new_tokens) // self.block_size)
         return new_blocks
+
+    def _free_outside_window(self, state: _SampleBlocks, num_computed: int) -> None:
+        """Return each sliding group's blocks that the next token's window no longer reaches."""
+        null = self.null_block
+        for g, window in enumerate(self.windows):
+            if window is None:
+                continue
+            table = state.tables[g]
+            # The next token (position num_computed) reads positions from num_computed - window + 1.
+            stop = min(max(0, num_computed - window + 1) // self.block_size, len(table))
+            start = state.num_skipped[g]
+            if stop <= start:
+                continue
+            freed = [b for b in table[start:stop] if b is not null]
+            table[start:stop] = [null] * (stop - start)
+            state.num_skipped[g] = stop
+            self._pool.free_blocks(freed)
 
     def _cache_full_blocks(self, request: Request, state: _SampleBlocks, num_full: int) -> None:
         # Blocks filled in this step are registered now: every layer stores the whole batch's K/V
@@ -180,9 +263,13 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._block_hashes(request)
-        for i in range(start, min(num_full, len(hashes))):
-            self._pool.cache_block(state.blocks[i], hashes[i])
-        state.num_cached_blocks = min(num_full, len(hashes))
+        end = min(num_full, len(hashes))
+        null = self.null_block
+        for g, table in enumerate(state.tables):
+            for i in range(start, end):
+                if table[i] is not null:  # a placeholder from a hit is already someone's cached block
+                    self._pool.cache_block(table[i], _group_key(g, hashes[i]))
+        state.num_cached_blocks = end
 
     def free(self, request: Request) -> None:
         """Return the sample's blocks, tail first, so its least shareable blocks are evicted first.
@@ -190,8 +277,12 @@ class KVCacheManager:
         state = self._samples.get(request.seq_id)
         if state is None:
             return
-        blocks, state.blocks, state.num_cached_blocks = state.blocks, [], 0
-        self._pool.free_blocks(reversed(blocks))
+        tables, null = state.tables, self.null_block
+        state.tables = [[] for _ in tables]
+        state.num_skipped = [0] * len(tables)
+        state.num_cached_blocks = 0
+        for table in tables:
+            self._pool.free_blocks(b for b in reversed(table) if b is not null)
 
     def forget(self, request: Request) -> None:
         """Drop the sample's record once it has finished for good (after `free`)."""
@@ -204,7 +295,11 @@ class KVCacheManager:
         self._samples.clear()
 
     def check_invariants(self) -> None:
-        owners = Counter(b.block_id for state in self._samples.values() for b in state.blocks)
+        null = self.null_block
+        owners: Counter[int] = Counter()
         for seq_id, state in self._samples.items():
-            assert len({b.block_id for b in state.blocks}) == len(state.blocks), f"sample {seq_id} holds a block twice"
+            held = [b.block_id for table in state.tables for b in table if b is not null]
+            assert len(set(held)) == len(held), f"sample {seq_id} holds a block twice"
+            assert len({len(t) for t in state.tables}) <= 1, f"sample {seq_id}: group tables differ in length"
+            owners.update(held)
         self._pool.check_invariants(dict(owners))

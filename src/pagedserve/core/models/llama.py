@@ -149,9 +149,11 @@ class LlamaDecoder:
         q, k, v = self.kernels.rotary_qkv(w.qkv(x), rows, cos, sin, a.num_heads, a.num_kv_heads, w.q_norm, w.k_norm,
                                           a.rms_norm_eps, a.head_dim)
         # Quantized caches: scales are written with the codes and read back inside the attention.
-        self.kernels.reshape_and_cache(k, v, kv.key_cache, kv.value_cache, batch.slot_mapping, kv.k_scale, kv.v_scale)
+        # Each layer group has its own block table (sliding-window groups drop blocks before the window).
+        block_table, slot_mapping = batch.cache_indexing(kv.group)
+        self.kernels.reshape_and_cache(k, v, kv.key_cache, kv.value_cache, slot_mapping, kv.k_scale, kv.v_scale)
         o = self.kernels.paged_attention(
-            q, kv.key_cache, kv.value_cache, batch.block_table, batch.query_start_loc, batch.seq_lens,
+            q, kv.key_cache, kv.value_cache, block_table, batch.query_start_loc, batch.seq_lens,
             self.scale, batch.max_query_len, batch.max_seq_len, window, kv.k_scale, kv.v_scale, a.attn_softcap,
         )
         return w.o(o.reshape(x.shape[0], a.num_heads * a.head_dim))
