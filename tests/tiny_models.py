@@ -82,6 +82,15 @@ def _config_new_families(family: str, common: dict):
             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    if family == "gemma3-groups":
+        # Gemma 3's 5:1 pattern in small: pairs of local layers, then a global one. Layer groups of
+        # 2 (core/kv_cache/layout.py): the global pair and two local pairs share 2 cache tensors.
+        sliding, full = "sliding_attention", "full_attention"
+        return Gemma3TextConfig(
+            **{**gemma, "num_hidden_layers": 6}, query_pre_attn_scalar=64, sliding_window=16,
+            layer_types=[sliding, sliding, full, sliding, sliding, full],
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
     if family == "gemma2":
         return Gemma2Config(**{**gemma, "head_dim": 32}, query_pre_attn_scalar=24, sliding_window=16,
                             attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
