@@ -114,7 +114,7 @@ class LLMEngine:
             self.arch.head_dim, self.model_path, layout.layers_per_block)
         self.num_kv_blocks = self._num_kv_blocks(kv_spec)
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, cc.block_size, cc.enable_prefix_caching,
-                                               layout, config.scheduler.max_num_batched_tokens)
+                                               layout, self._max_chunk_tokens())
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self.runner = ModelRunner(model, self.num_kv_blocks, cc.block_size, kv_spec, layout)
         mark("KV cache")
@@ -152,6 +152,11 @@ class LLMEngine:
                     "; adjusted to the cores other work leaves" if plan.adaptive and plan.start > 1 else "")
         return ThreadGovernor(plan, torch.set_num_threads, compute_threads_named=named)
 
+    def _max_chunk_tokens(self) -> int:
+        """Most tokens one sample computes in a step (what a sliding-window group holds beyond its window)."""
+        sc = self.config.scheduler
+        return min(sc.max_num_batched_tokens, sc.long_prefill_token_threshold or sc.max_num_batched_tokens)
+
     def _num_kv_blocks(self, kv_spec: KVCacheSpec) -> int:
         """Blocks that fit the memory budget; a block's bytes include int8/fp8 scales."""
         cc = self.config.cache
@@ -168,8 +173,8 @@ class LLMEngine:
             # max_model_len tokens can ever need (blocks are also only touched when used, see
             # cache_tensors.lazy_zeros), so kv_cache_usage_perc is a share of a pool that can fill.
             budget = DEFAULT_CPU_KV_CACHE_MEMORY
-            blocks_per_seq = self.kv_layout.max_blocks_per_seq(
-                self.max_model_len, cc.block_size, self.config.scheduler.max_num_batched_tokens)
+            blocks_per_seq = self.kv_layout.max_blocks_per_seq(self.max_model_len, cc.block_size,
+                                                               self._max_chunk_tokens())
             budget = min(budget, self.config.scheduler.max_num_seqs * blocks_per_seq * per_block)
         # A layout that frees blocks has one more row for its null block: it comes out of the budget.
         num_blocks = kv_spec.num_blocks(budget) - int(self.kv_layout.frees_blocks)
