@@ -122,9 +122,9 @@ def test_sliding_group_returns_blocks_behind_its_window():
 def test_can_fit_counts_a_sliding_group_by_its_window():
     kv = _hybrid_manager(20)
     assert kv.max_blocks_per_seq(64) == 16 + 3  # full group 16 blocks, sliding cdiv(8 - 1 + 1, 4) + 1
-    assert kv.can_fit(68) and not kv.can_fit(72)
+    assert kv.can_fit(68) and not kv.can_fit(69) and kv.max_fitting_tokens(100) == 68
     plain = KVCacheManager(20, 4, False)
-    assert plain.can_fit(80) and not plain.can_fit(81)
+    assert plain.can_fit(80) and not plain.can_fit(81) and plain.max_fitting_tokens(100) == 80
 
 
 def test_prefix_hit_needs_the_window_before_the_hit():

@@ -264,7 +264,7 @@ class LLMEngine:
                 f"lower max_tokens to at most {limit - n}"
             )
         if not self.kv_cache_manager.can_fit(n + max_tokens):
-            cap = self.num_kv_blocks * self.config.cache.block_size
+            cap = self.kv_cache_manager.max_fitting_tokens(n + max_tokens)
             raise RequestTooLong(
                 f"prompt + max_tokens = {n + max_tokens} tokens exceeds the whole KV cache ({cap} tokens); "
                 "lower max_tokens or raise kv_cache_memory"

@@ -150,7 +150,10 @@ class ThroughputPolicy(PrefixPolicy):
         super().order(scheduler)
         kv = scheduler.kv
         # Blocks held now plus what running requests still add before reaching max_tokens.
-        growth = sum(max(kv.max_blocks_per_seq(r.num_prompt_tokens + r.max_tokens) - kv.num_held_blocks(r), 0)
+        # A sliding-window group holds a prefill chunk beyond its window only while prefilling.
+        growth = sum(max(kv.max_blocks_per_seq(r.num_prompt_tokens + r.max_tokens,
+                                               decoding=r.num_computed_tokens >= r.num_prompt_tokens)
+                         - kv.num_held_blocks(r), 0)
                      for r in scheduler.running)
         self._projected_blocks = kv.num_used_blocks + growth
 

@@ -198,13 +198,22 @@ class KVCacheManager:
         h = longest_hit(self.windows, self.block_size, usable, lookup)
         return hit_blocks(self.windows, self.block_size, h, lookup, null), h * self.block_size
 
-    def max_blocks_per_seq(self, num_tokens: int) -> int:
-        """Most pool blocks a sample of num_tokens holds at once, over all groups."""
-        return self.layout.max_blocks_per_seq(num_tokens, self.block_size, self.max_chunk_tokens)
+    def max_blocks_per_seq(self, num_tokens: int, decoding: bool = False) -> int:
+        """Most pool blocks a sample of num_tokens holds at once, over all groups; decoding: once its
+        prompt is computed (one token a step, so a sliding group holds its window's blocks only)."""
+        return self.layout.max_blocks_per_seq(num_tokens, self.block_size, 1 if decoding else self.max_chunk_tokens)
 
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a request of num_tokens could ever fit in the pool (with nothing else running)."""
         return self.max_blocks_per_seq(num_tokens) <= self._pool.num_blocks
+
+    def max_fitting_tokens(self, limit: int) -> int:
+        """The longest sequence of at most limit tokens that `can_fit` accepts (for error messages)."""
+        lo, hi = 0, limit
+        while lo < hi:  # can_fit is monotone in the length
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.can_fit(mid) else (lo, mid - 1)
+        return lo
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
