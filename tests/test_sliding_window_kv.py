@@ -249,3 +249,16 @@ def test_samples_of_one_request_share_what_the_windows_kept(tiny_model_dir):
         res = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, n=2))
         assert [list(c.token_ids) for c in res] == [want, want]
         assert_all_returned(engine)
+
+
+def test_int8_cache_gives_the_tokens_of_full_allocation(tiny_model_dir):
+    """Dynamic int8 scales live in the shared tensors too, indexed by the group's blocks: the same
+    per-token quantization in both layouts, so the same greedy tokens."""
+    path = tiny_model_dir("gemma3-groups")
+    prompts = random_prompts(3, 40, 80, seed=21)
+    outs = []
+    for off in (False, True):
+        engine = make_engine(path, kv_cache_dtype="int8", disable_hybrid_kv_cache_manager=off)
+        outs.append([list(r.token_ids) for r in engine.generate(prompts, greedy())])
+        assert_all_returned(engine)
+    assert outs[0] == outs[1]
