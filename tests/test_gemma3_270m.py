@@ -78,3 +78,39 @@ def test_tokenizer_ids_equal_transformers(gguf_path, converted):
                  "<start_of_turn>user\nhi<end_of_turn>\n", "def f(x):\n    return x ** 2"]:  # fmt: skip
         assert ours.encode(text) == reference.encode(text), text
     assert ours.encode("hi")[0] == 2  # <bos> first, as the file's add_bos_token says
+
+
+
+def test_local_layers_hold_only_their_window(converted):
+    """Real Gemma 3 270M (bf16, the default), a 700-token prompt (past the 512-token window) and 24
+    greedy tokens: the same tokens as full allocation (the same K/V is read either way), while a
+    decoding sequence holds the global group's whole sequence but 33 blocks per local group."""
+    from pathlib import Path
+
+    from pagedserve.core.config import EngineConfig
+    from pagedserve.core.engine import LLMEngine
+    from pagedserve.core.sampling_params import SamplingParams
+
+    text = " ".join((Path(__file__).parent / "data" / "license-texts" / "GPL-3").read_text().split())
+    runs = {}
+    for off in (False, True):
+        engine = LLMEngine(EngineConfig.from_dict({
+            "model": str(converted), "block_size": 16, "max_model_len": 1024, "max_num_batched_tokens": 256,
+            "num_kv_blocks": 1000, "disable_hybrid_kv_cache_manager": off}))
+        prompt = engine.tokenizer(text)["input_ids"][:700]
+        kv = engine.kv_cache_manager
+        engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+        tokens, held = [], []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens.extend(out.new_token_ids)
+            if engine.scheduler.running:
+                held = kv.num_held_blocks_per_group(engine.scheduler.running[0])
+        kv.check_invariants()
+        assert kv.num_used_blocks == 0
+        runs[off] = tokens, held, [g.sliding_window for g in kv.layout.groups]
+        del engine
+    assert runs[True][2] == [None] and runs[False][2] == [None] + [512] * 5
+    # 722 tokens in the cache at the last step: blocks 0..45; the window (positions 210..721): 13..45
+    assert runs[True][1] == [46] and runs[False][1] == [46] + [33] * 5
+    assert runs[False][0] == runs[True][0] and len(runs[False][0]) == 24
