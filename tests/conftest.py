@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.harness.kserve_launch import start_kserve
-from tests.kserve_server import ONE_THREAD
+from tests.harness import ONE_THREAD
 from tests.tiny_models import build_tiny_model
 
 # One intra-op thread: the test models are tiny, and OpenMP's thread hand-off costs far more than
