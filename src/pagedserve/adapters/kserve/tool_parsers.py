@@ -183,6 +183,19 @@ class ToolParser:
         self._out.tool_calls.append(ToolCallDelta(self.num_calls, arguments))
         self.num_calls += 1
 
+    def _advance_to(self, marker: str, held: tuple[str, ...], final: bool) -> bool:
+        """Emit the text before `marker` as content and leave the buffer starting at it (True). With
+        no marker, emit all but a tail that may still grow into one of `held` (False)."""
+        at = self._buf.find(marker)
+        if at < 0:
+            keep = 0 if final else _held_prefix(self._buf, held)
+            self._content(self._buf[:len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep:]
+            return False
+        self._content(self._buf[:at])
+        self._buf = self._buf[at:]
+        return True
+
 
 class HermesToolParser(ToolParser):
     """<tool_call>JSON</tool_call> blocks anywhere in the text (Qwen2.5/Qwen3/Hermes templates)."""
@@ -197,14 +210,8 @@ class HermesToolParser(ToolParser):
     def _scan(self, final: bool) -> None:
         while True:
             if not self._inside:
-                at = self._buf.find(self.START)
-                if at < 0:
-                    keep = 0 if final else _held_prefix(self._buf, (self.START,))
-                    self._content(self._buf[:len(self._buf) - keep])
-                    self._buf = self._buf[len(self._buf) - keep:]
+                if not self._advance_to(self.START, (self.START,), final):
                     return
-                self._content(self._buf[:at])
-                self._buf = self._buf[at:]
                 self._inside = True
             end = self._buf.find(self.END)
             if end < 0 and not final:
@@ -306,14 +313,8 @@ class MistralToolParser(ToolParser):
         self._buf = self._buf.replace(self.EOS, "")
         while True:
             if not self._inside:
-                at = self._buf.find(self.MARKER)
-                if at < 0:
-                    keep = 0 if final else _held_prefix(self._buf, (self.MARKER, self.EOS))
-                    self._content(self._buf[:len(self._buf) - keep])
-                    self._buf = self._buf[len(self._buf) - keep:]
+                if not self._advance_to(self.MARKER, (self.MARKER, self.EOS), final):
                     return
-                self._content(self._buf[:at])
-                self._buf = self._buf[at:]
                 self._inside = True
             body = self._buf[len(self.MARKER):]
             lead = len(body) - len(body.lstrip())
