@@ -27,7 +27,7 @@ prefix hit rate; then whether the greedy tokens are identical across policies (t
 the LAST line `ratio throughput/fcfs: X.XXx` (output tok/s; target >= 1.5x).
 
 With --tune: the same prompts (real token ids, so prefixes are shared) and output lengths arrive as
-a seeded Poisson process at --arrival-rate; core/tuner.py searches from the shipped defaults
+a seeded Poisson process at --arrival-rate; tools/tuner.py searches from the shipped defaults
 (trial 0, with the KV pool at its default size, not --num-kv-blocks) for the best throughput
 meeting TTFT p95 <= --ttft-p95, and the table shows both. The LAST line is
 `ratio tuned/defaults: X.XXx` (output tok/s), and whether each met the SLO.
@@ -108,7 +108,7 @@ def run(policy: str, args, prompts, output_lens) -> tuple[RunResult, list[tuple[
 
 def tune_vs_defaults(args, prompts, output_lens) -> int:
     from pagedserve.core.config import EngineConfig
-    from pagedserve.core.tuner import Slo, best_trial, format_table, tune
+    from pagedserve.tools.tuner import Slo, best_trial, format_table, tune
     from pagedserve.core.workload import WorkloadItem
 
     rng = random.Random(args.seed)

@@ -1,14 +1,16 @@
 """The import rules of docs/design.md, read from the source (ast), so a violation fails here even
 where no test happens to import the offending module:
 
-* core/ and kernels/ import no adapter and no platform package, not even lazily or by name
-  (importlib with a string);
+* core/ and kernels/ import no adapter, no tool and no platform package, not even lazily or by
+  name (importlib with a string);
+* adapters never import LLMEngine: they serve through AsyncLLMEngine; offline commands that drive
+  LLMEngine are tools/;
 * kernels/ import nothing from core/ (numerics only);
 * adapters import no private name (`_x`) from core: what they need is core's public API;
 * nothing imports the bare folder names `core`, `kernels`, `adapters` (PyPI has packages by those names);
 * the package imports nothing from tests/ (its harness) or bench/.
 
-core/, kernels/, adapters/ and model_repository/ are the package's folders, under src/pagedserve/.
+core/, kernels/, adapters/, tools/ and model_repository/ are the package's folders, under src/pagedserve/.
 """
 
 from __future__ import annotations
@@ -53,8 +55,15 @@ def top(module: str) -> str:
 @pytest.mark.parametrize("folder", ["core", "kernels"])
 def test_the_engine_imports_no_adapter_and_no_platform(folder):
     bad = [f"{p.relative_to(ROOT)}:{line}: {module}" for p in sources(folder) for line, module, _ in imports(p)
-           if module.startswith("pagedserve.adapters") or top(module) in PLATFORMS
+           if module.startswith(("pagedserve.adapters", "pagedserve.tools")) or top(module) in PLATFORMS
            or (folder == "kernels" and module.startswith("pagedserve.core"))]
+    assert bad == []
+
+
+def test_adapters_never_drive_the_engine_directly():
+    bad = [f"{p.relative_to(ROOT)}:{line}: {module} {names}" for p in sources("adapters")
+           for line, module, names in imports(p)
+           if module == "pagedserve.core.engine" and "LLMEngine" in names]
     assert bad == []
 
 
@@ -65,14 +74,14 @@ def test_adapters_use_only_the_public_api_of_core():
     assert bad == []
 
 
-@pytest.mark.parametrize("folder", ["core", "kernels", "adapters", "model_repository", "bench", "tests"])
+@pytest.mark.parametrize("folder", ["core", "kernels", "adapters", "tools", "model_repository", "bench", "tests"])
 def test_nothing_imports_the_bare_folder_names(folder):
     bad = [f"{p.relative_to(ROOT)}:{line}: {module}" for p in sources(folder) for line, module, _ in imports(p)
            if top(module) in ("core", "kernels", "adapters")]
     assert bad == []
 
 
-@pytest.mark.parametrize("folder", ["core", "kernels", "adapters", "model_repository"])
+@pytest.mark.parametrize("folder", ["core", "kernels", "adapters", "tools", "model_repository"])
 def test_the_package_needs_no_test_harness(folder):
     """Starting servers for tests and benchmarks (tests/harness) is not part of the product."""
     bad = [f"{p.relative_to(ROOT)}:{line}: {module}" for p in sources(folder) for line, module, _ in imports(p)
@@ -96,7 +105,7 @@ def sys_path_edits(path: Path) -> list[int]:
     return sorted(found)
 
 
-@pytest.mark.parametrize("folder", ["core", "kernels", "adapters", "model_repository", "bench", "tests"])
+@pytest.mark.parametrize("folder", ["core", "kernels", "adapters", "tools", "model_repository", "bench", "tests"])
 def test_nothing_edits_sys_path(folder):
     """Imports resolve from the install (src/ on a .pth path line) and, for tests and benchmarks,
     from the checkout root that pytest's pythonpath or `python -m bench.X` provides (docs/design.md)."""
