@@ -8,7 +8,8 @@ where no test happens to import the offending module:
 * kernels/ import nothing from core/ (numerics only);
 * adapters import no private name (`_x`) from core: what they need is core's public API;
 * nothing imports the bare folder names `core`, `kernels`, `adapters` (PyPI has packages by those names);
-* the package imports nothing from tests/ (its harness) or bench/.
+* the package imports nothing from tests/ (its harness) or bench/;
+* core has no import cycle (scheduler and policies were one).
 
 core/, kernels/, adapters/, tools/ and model_repository/ are the package's folders, under src/pagedserve/.
 """
@@ -124,3 +125,43 @@ def test_the_rules_catch_a_violation(tmp_path):
     probe.write_text("import sys\nsys.path.insert(0, 'x')\nsys.path += ['y']\nsys.path[:0] = ['z']\n"
                      "print(sys.path[0])\n")
     assert sys_path_edits(probe) == [2, 3, 4]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_cycles(folder: str) -> list[list[str]]:
+    """Cycles among a package folder's modules, counting every import (lazy and TYPE_CHECKING ones
+    too: a cycle there still means two modules that cannot be understood apart)."""
+    paths = sources(folder)
+    names = {module_name(p) for p in paths}
+    graph: dict[str, set[str]] = {}
+    for p in paths:
+        here = module_name(p)
+        targets = set()
+        for _, module, imported in imports(p):
+            # `from package import submodule` depends on the submodule, not on the package's body
+            submodules = {f"{module}.{n}" for n in imported} & names
+            targets |= {c for c in (submodules or {module}) if c in names and c != here}
+        graph[here] = targets
+    cycles, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return cycles
+
+
+def test_core_has_no_import_cycle():
+    assert import_cycles("core") == []
