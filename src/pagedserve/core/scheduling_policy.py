@@ -50,7 +50,8 @@ class FcfsPolicy:
 
     name = "fcfs"
 
-    def order(self, waiting: Sequence[Request], running: Sequence[Request], kv: KVCacheManager) -> list[Request] | None:
+    def order(self, waiting: Sequence[Request], running: Sequence[Request],
+              kv: KVCacheManager) -> list[Request] | None:
         return None
 
     def admit(self, request: Request, hits: list[KVBlock], num_new: dict[int, int], running: Sequence[Request],
@@ -70,7 +71,8 @@ class PrefixPolicy:
     def is_aged(self, request: Request, now: float) -> bool:
         return now - request.arrival_time > self.age_bound_s
 
-    def order(self, waiting: Sequence[Request], running: Sequence[Request], kv: KVCacheManager) -> list[Request] | None:
+    def order(self, waiting: Sequence[Request], running: Sequence[Request],
+              kv: KVCacheManager) -> list[Request] | None:
         if len(waiting) < 2:
             return None
         now = self.clock()
@@ -144,7 +146,8 @@ class ThroughputPolicy(PrefixPolicy):
         to_prefill = max(request.num_prompt_tokens - num_shared_tokens, 1)
         return (-request.max_tokens / to_prefill, group_rank)
 
-    def order(self, waiting: Sequence[Request], running: Sequence[Request], kv: KVCacheManager) -> list[Request] | None:
+    def order(self, waiting: Sequence[Request], running: Sequence[Request],
+              kv: KVCacheManager) -> list[Request] | None:
         # Blocks held now plus what running requests still add before reaching max_tokens.
         growth = sum(max(cdiv(r.num_prompt_tokens + r.max_tokens, kv.block_size) - kv.num_held_blocks(r), 0)
                      for r in running)

@@ -8,10 +8,10 @@ runs at import.
   pagedserve run-batch ...   run an OpenAI Batch file offline (tools/run_batch.py)
   pagedserve tune ...        search engine settings within a latency SLO (tools/tuner.py)
 
-It is a tool (tools/): `generate` drives an LLMEngine itself, which adapters may not, and it wires
-the platforms up, which core may not (docs/design.md). Each subcommand but `generate` is a module whose `main(argv)` parses the rest of
-the command line, imported only when invoked: kserve and tritonclient.grpc cannot share a process,
-and neither should slow down the others' start.
+It is a tool (tools/): `generate` drives an LLMEngine itself, which adapters may not, and it
+wires the platforms up, which core may not (docs/design.md). Each subcommand but `generate` is a
+module whose `main(argv)` parses the rest of the command line, imported only when invoked: kserve
+and tritonclient.grpc cannot share a process, and neither should slow down the others' start.
 """
 
 from __future__ import annotations
