@@ -117,6 +117,8 @@ class LLMEngine:
                                                layout, self._max_chunk_tokens())
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self.runner = ModelRunner(model, self.num_kv_blocks, cc.block_size, kv_spec, layout)
+        if self.threads.enabled:
+            model.between_layers = self.threads.poll
         mark("KV cache")
         self._ids = itertools.count()
         self._requests: dict[str, EngineRequest] = {}

@@ -103,6 +103,12 @@ class KVCacheManager:
         """Group 0's block with this hash in the prefix cache (held or free), or None."""
         return self._pool.get_cached_block(block_hash)
 
+    @staticmethod
+    def num_revived(hits: list[KVBlock]) -> int:
+        """How many of these prefix hits are free cached blocks: taking them uses up free blocks
+        as a fresh allocation would; hits held by running samples cost nothing."""
+        return sum(1 for block in hits if block.ref_cnt == 0)
+
     # -- per sample --------------------------------------------------------------------------------
     def _uses_cache(self, request: Request) -> bool:
         return self.enable_prefix_caching and request.use_prefix_cache
@@ -232,7 +238,7 @@ class KVCacheManager:
             self._free_outside_window(state, num_computed)
         num_needed = max(cdiv(num_computed + num_new_tokens, self.block_size) - num_held - num_hit, 0)
         # A hit on a free block takes it out of the free queue, so it costs capacity too.
-        num_revived = sum(1 for b in hits if b.ref_cnt == 0)
+        num_revived = self.num_revived(hits)
         if num_needed * self.num_groups > self._pool.num_free_blocks - num_revived:
             return None
         self._pool.touch(b for b in hits if b is not self.null_block)
