@@ -1,7 +1,9 @@
 """The paged KV cache tensors: spec (dtype, bytes per block including scales), sizing, allocation.
 
 Per layer the cache is ``key_cache`` / ``value_cache`` ``[num_blocks, block_size, num_kv_heads,
-head_dim]`` in the storage dtype. Quantized caches (int8, fp8_e4m3, fp8_e5m2; format in
+head_dim]`` in the storage dtype. With layer groups (core/kv_cache/layout.py: sliding-window layers
+beside full-attention ones) layers of different groups share these tensors, each at its own group's
+block ids, and they have one row more for the null block. Quantized caches (int8, fp8_e4m3, fp8_e5m2; format in
 pagedserve.kernels.kv_quant) add scales:
 
 * dynamic (default): bf16 ``k_scale`` / ``v_scale`` ``[num_blocks, block_size, num_kv_heads]`` per
