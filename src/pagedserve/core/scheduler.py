@@ -181,7 +181,7 @@ class Scheduler:
             token_ids=tuple(request.token_ids_slice(start, start + n)),
             start_position=start,
             block_ids=tuple(self.kv.get_block_ids(request)),
-            group_block_ids=self._group_block_ids(request),
+            group_block_ids=() if self.kv.num_groups == 1 else self._group_block_ids(request),
             sample=start + n == request.num_tokens,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
@@ -190,9 +190,7 @@ class Scheduler:
         )
 
     def _group_block_ids(self, request: Request) -> tuple[tuple[int, ...], ...]:
-        """Block ids of layer groups 1.. (none for a model with one group: no extra work per step)."""
-        if self.kv.num_groups == 1:
-            return ()
+        """Block ids of layer groups 1.. (a model with one group has none: no extra work per step)."""
         return tuple(tuple(ids) for ids in self.kv.get_group_block_ids(request)[1:])
 
     def _preempt(self, request: Request) -> None:

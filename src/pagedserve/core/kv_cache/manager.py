@@ -238,18 +238,21 @@ class KVCacheManager:
             self._free_outside_window(state, num_computed)
         num_needed = max(cdiv(num_computed + num_new_tokens, self.block_size) - num_held - num_hit, 0)
         # A hit on a free block takes it out of the free queue, so it costs capacity too.
-        num_revived = self.num_revived(hits)
+        num_revived = self.num_revived(hits) if hits else 0
         if num_needed * self.num_groups > self._pool.num_free_blocks - num_revived:
             return None
-        self._pool.touch(b for b in hits if b is not self.null_block)
         if state is None:
             state = self._state(request)
-        new_blocks = []
-        for g, table in enumerate(state.tables):
-            table.extend(hits[g * num_hit:(g + 1) * num_hit])
-            blocks = self._pool.get_new_blocks(num_needed)
-            table.extend(blocks)
-            new_blocks.extend(blocks)
+        if hits:
+            self._pool.touch(b for b in hits if b is not self.null_block)
+            for g, table in enumerate(state.tables):
+                table.extend(hits[g * num_hit:(g + 1) * num_hit])
+        new_blocks: list[KVBlock] = []
+        if num_needed:  # most decode steps need none: keep them cheap
+            for table in state.tables:
+                blocks = self._pool.get_new_blocks(num_needed)
+                table.extend(blocks)
+                new_blocks.extend(blocks)
         if self._uses_cache(request):
             self._cache_full_blocks(request, state, (num_computed + num_new_tokens) // self.block_size)
         return new_blocks
