@@ -18,8 +18,9 @@ policy's (scheduling_policy=throughput, no age bound): a request starts only whe
 running request may still need fit (core/scheduling_policy.py; a sliding group is counted with a
 prefill chunk beyond its window while its request prefills, with its window alone once it decodes),
 so no request is preempted and the most requests running at once is the capacity. The
-decoding-only bound printed beside it is the pool over one decoding sequence's blocks. It is a count, not a timing: robust on a
-loaded machine. Wall time and output tok/s of the same workload are printed beside it.
+decoding-only bound printed beside it is the pool over one decoding sequence's blocks. It is a
+count, not a timing: robust on a loaded machine. Wall time and output tok/s of the same workload
+are printed beside it.
 
 The LAST line is `ratio capacity hybrid/full: X.XXx`.
 """
@@ -115,7 +116,8 @@ def main() -> None:
         gc.collect()
     full, hybrid = results["full"], results["hybrid"]
     same = sum(full["tokens"][k] == hybrid["tokens"][k] for k in full["tokens"])
-    print(f"greedy outputs identical in {same}/{args.num_requests} requests (bf16: a different batch mix may flip a near-tie)")
+    print(f"greedy outputs identical in {same}/{args.num_requests} requests "
+          "(bf16: a different batch mix may flip a near-tie)")
     print(f"wall ratio full/hybrid: {full['wall'] / hybrid['wall']:.2f}x")
     print(f"ratio capacity hybrid/full: {hybrid['running'] / full['running']:.2f}x")
 

@@ -152,14 +152,15 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device,
     if layout is None:
         layout = single_group_layout(spec.num_layers)
     assert layout.num_layers == spec.num_layers, f"layout has {layout.num_layers} layers, spec {spec.num_layers}"
-    assert (spec.layers_per_block or spec.num_layers) == layout.layers_per_block, "spec and layout disagree on layers per block"
+    assert (spec.layers_per_block or spec.num_layers) == layout.layers_per_block, (
+        "spec and layout disagree on layers per block")
     rows = num_blocks + (1 if layout.frees_blocks else 0)
     shape = (rows, spec.block_size, spec.num_kv_heads, spec.head_dim)
     shared = []
     for _ in range(layout.layers_per_block):
         scales = (None, None)
         if spec.dynamic_scales:
-            scales = (lazy_zeros(shape[:3], DYNAMIC_SCALE_DTYPE, device), lazy_zeros(shape[:3], DYNAMIC_SCALE_DTYPE, device))
+            scales = tuple(lazy_zeros(shape[:3], DYNAMIC_SCALE_DTYPE, device) for _ in range(2))
         shared.append((lazy_zeros(shape, spec.dtype, device), lazy_zeros(shape, spec.dtype, device), *scales))
     caches = []
     for layer, (group, j) in enumerate(layout.group_and_tensor_of_layers()):
