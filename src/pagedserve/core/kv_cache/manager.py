@@ -285,7 +285,7 @@ class KVCacheManager:
         null = self.null_block
         for g, table in enumerate(state.tables):
             for i in range(start, end):
-                if table[i] is not null:  # a placeholder from a hit is already someone's cached block
+                if table[i] is not null:  # the null block stands in for a block this group no longer needs
                     self._pool.cache_block(table[i], _group_key(g, hashes[i]))
         state.num_cached_blocks = end
 
