@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from pagedserve.core.config import SchedulerConfig
-from pagedserve.core.kv_cache.manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.core.scheduler import Scheduler
 
 
 def make(num_blocks=64, block_size=4, budget=16, max_num_seqs=8, max_model_len=1000) -> Scheduler:
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), kv, max_model_len)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), max_model_len,
+                     num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=False)
 
 
 def add(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 8) -> Request:

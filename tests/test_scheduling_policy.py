@@ -15,7 +15,6 @@ import pytest
 from pagedserve.core.config import EngineConfig, SchedulerConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.errors import ConfigError
-from pagedserve.core.kv_cache.manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.core.scheduler import Scheduler
@@ -35,11 +34,10 @@ class FakeClock:
 
 def make(policy: str, num_blocks=64, block_size=4, budget=64, max_num_seqs=8, threshold=None,
          age_bound_s=60.0, clock: FakeClock | None = None) -> Scheduler:
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                           long_prefill_token_threshold=threshold, scheduling_policy=policy,
                           scheduling_age_bound_s=age_bound_s)
-    s = Scheduler(cfg, kv, max_model_len=10_000)
+    s = Scheduler(cfg, 10_000, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=True)
     if clock is not None and hasattr(s.policy, "clock"):
         s.policy.clock = clock
     return s

@@ -113,9 +113,9 @@ class LLMEngine:
             cc.kv_cache_dtype, self.dtype, self.arch.num_layers, cc.block_size, self.arch.num_kv_heads,
             self.arch.head_dim, self.model_path, layout.layers_per_block)
         self.num_kv_blocks = self._num_kv_blocks(kv_spec)
-        self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, cc.block_size, cc.enable_prefix_caching,
-                                               layout, self._max_chunk_tokens())
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.max_model_len, num_blocks=self.num_kv_blocks,
+                                   block_size=cc.block_size, enable_prefix_caching=cc.enable_prefix_caching,
+                                   layout=layout, max_chunk_tokens=self._max_chunk_tokens())
         self.runner = ModelRunner(model, self.num_kv_blocks, cc.block_size, kv_spec, layout)
         if self.threads.enabled:
             model.between_layers = self.threads.poll
@@ -265,8 +265,8 @@ class LLMEngine:
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds max_model_len={limit}; "
                 f"lower max_tokens to at most {limit - n}"
             )
-        if not self.kv_cache_manager.can_fit(n + max_tokens):
-            cap = self.kv_cache_manager.max_fitting_tokens(n + max_tokens)
+        cap = self.scheduler.max_fitting_tokens(n + max_tokens)
+        if cap is not None:
             raise RequestTooLong(
                 f"prompt + max_tokens = {n + max_tokens} tokens exceeds the whole KV cache ({cap} tokens); "
                 "lower max_tokens or raise kv_cache_memory"
@@ -300,13 +300,9 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequest("prompt is empty; send at least one token")
         max_tokens = self._check_lengths(len(token_ids), params)
-        # Requests that will have to wait: those queued beyond the running batch's free slots (a
-        # burst arriving between two steps into free slots is no overload).
-        free_slots = max(self.config.scheduler.max_num_seqs - len(self.scheduler.running), 0)
-        if len(self.scheduler.waiting) + params.n > free_slots:
-            queued = list(itertools.islice(self.scheduler.waiting, free_slots, None))
-            self.queue_guard.check(len(queued), sum(r.num_tokens - r.num_computed_tokens for r in queued),
-                                   len(token_ids) * params.n)
+        backlog = self.scheduler.backlog_beyond_free_slots(params.n)  # samples that will have to wait
+        if backlog is not None:
+            self.queue_guard.check(*backlog, len(token_ids) * params.n)
         if deadline is None and self.config.limits.request_timeout is not None:
             deadline = time.monotonic() + self.config.limits.request_timeout
         if params.prompt_logprobs is not None:
@@ -351,6 +347,12 @@ class LLMEngine:
         self._publish_metrics()
         return outputs
 
+    @property
+    def kv_cache_manager(self) -> KVCacheManager:
+        """The scheduler's KV cache manager, to inspect (tests, benchmarks); the engine itself asks
+        the scheduler."""
+        return self.scheduler.kv
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -382,7 +384,7 @@ class LLMEngine:
         outputs += processed.outputs
         if grammar is not None:
             for seq_id in grammar.unsatisfiable:  # no token fits the constraint: end it, say why
-                request = self.scheduler.requests.get(seq_id)
+                request = self.scheduler.live_sample(seq_id)
                 if request is not None and self.scheduler.finish_request(request, RequestStatus.FINISHED_UNSATISFIABLE):
                     outputs.append(self.output_processor.final_output(request))
         self._forget_finished(outputs)
@@ -420,13 +422,7 @@ class LLMEngine:
             self.structured_output.forget([sample.seq_id for sample in entry.samples])
         self._requests.clear()
         self.deadlines.clear()
-        if self.scheduler.requests or self.scheduler.waiting or self.scheduler.running:
-            raise RuntimeError("requests are still scheduled after aborting every request")
-        self.kv_cache_manager.reset_prefix_cache()
-        self.kv_cache_manager.check_invariants()
-        if self.kv_cache_manager.num_used_blocks:
-            raise RuntimeError(f"{self.kv_cache_manager.num_used_blocks} KV blocks still in use "
-                               "after aborting every request")
+        self.scheduler.reset_after_abort_all()
         self.metrics.observe_step_failure()
         self._publish_metrics()
         return request_ids

@@ -5,15 +5,20 @@ gives running requests their next tokens first (a decode is 1 token, an unfinish
 chunk), then admits waiting requests while the token budget, max_num_seqs and free blocks allow.
 When blocks run out, the most recently admitted running request is preempted by recompute: its
 blocks are freed and it goes back to the front of the waiting queue, keeping its output tokens.
+
+The scheduler builds and owns the KV cache manager: the engine asks it, not the manager, whether a
+request can ever fit, how much is queued, and to reset the cache after a failed step.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
 
 from pagedserve.core.config import SchedulerConfig
+from pagedserve.core.kv_cache.layout import KVCacheLayout
 from pagedserve.core.kv_cache.manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduling_policy import Admission, make_policy
@@ -41,9 +46,12 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, max_model_len: int, *, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool, layout: KVCacheLayout | None = None,
+                 max_chunk_tokens: int | None = None) -> None:
+        """The KV cache arguments are KVCacheManager's (core/kv_cache/manager.py)."""
         self.config = config
-        self.kv = kv_cache_manager
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, layout, max_chunk_tokens)
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -73,6 +81,34 @@ class Scheduler:
         self._finish(request, status)
         self._refresh_stats()
         return True
+
+    def max_fitting_tokens(self, num_tokens: int) -> int | None:
+        """None when a sample of `num_tokens` (prompt + max_tokens) fits the whole KV cache;
+        otherwise the most tokens one sample can hold, for the error."""
+        return None if self.kv.can_fit(num_tokens) else self.kv.max_fitting_tokens(num_tokens)
+
+    def backlog_beyond_free_slots(self, arriving: int) -> tuple[int, int] | None:
+        """(samples, tokens still to compute) queued beyond the running batch's free slots if
+        `arriving` more samples came now; None when they would all start at once (a burst that
+        arrives between two steps into free slots is no overload)."""
+        free_slots = max(self.config.max_num_seqs - len(self.running), 0)
+        if len(self.waiting) + arriving <= free_slots:
+            return None
+        queued = list(itertools.islice(self.waiting, free_slots, None))
+        return len(queued), sum(r.num_tokens - r.num_computed_tokens for r in queued)
+
+    def live_sample(self, seq_id: int) -> Request | None:
+        return self.requests.get(seq_id)
+
+    def reset_after_abort_all(self) -> None:
+        """After every request was aborted (a failed step): forget every prefix-cache entry (the
+        step may have left blocks half written) and check nothing is scheduled or held."""
+        if self.requests or self.waiting or self.running:
+            raise RuntimeError("requests are still scheduled after aborting every request")
+        self.kv.reset_prefix_cache()
+        self.kv.check_invariants()
+        if self.kv.num_used_blocks:
+            raise RuntimeError(f"{self.kv.num_used_blocks} KV blocks still in use after aborting every request")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
