@@ -194,3 +194,7 @@ def test_openai_routes_answer_503_until_the_engine_is_warm():
     assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
     assert client.post("/openai/v1/completions", json={"model": "x", "prompt": "hi"}).status_code == 404
     assert client.get("/openai/v1/models").json()["data"][0]["id"] == "m"
+    # KServe's v1 readiness route: 503 (its client reads "not ready") until warm, 404 for another model
+    r = client.get("/v1/models/m")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+    assert client.get("/v1/models/other").status_code == 404

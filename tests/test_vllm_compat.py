@@ -227,12 +227,25 @@ def test_v1_models_answers_kserve_and_openai_clients_in_one_body(kserve):
     assert body["models"] == [MODEL]  # KServe's v1 protocol
     assert body["object"] == "list" and [m["id"] for m in body["data"]] == [MODEL]  # OpenAI's
     assert httpx.get(f"{kserve.url}/v1/models", timeout=10).status_code == 401
-    # KServe's other v1 routes are kserve's own, and open as before
-    r = httpx.get(f"{kserve.url}/v1/models/{MODEL}", timeout=10)
-    assert r.status_code == 200 and r.json()["ready"] is True
+    # KServe's v1 prediction route is still kserve's own, and open as before
     r = httpx.post(f"{kserve.url}/v1/models/{MODEL}:predict", timeout=60,
                    json={"instances": ["hi"], "parameters": {"max_tokens": 2}})
     assert r.status_code == 200 and len(r.json()["predictions"]) == 1
+
+
+def test_v1_model_route_answers_kserve_readiness_and_openai_retrieve(v1, kserve):
+    """`GET /v1/models/{id}` is KServe's v1 readiness check and the SDK's models.retrieve at /v1."""
+    probe = httpx.get(f"{kserve.url}/v1/models/{MODEL}", timeout=10)  # as KServe's probe: no key
+    assert probe.status_code == 200
+    body = probe.json()
+    assert body["name"] == MODEL and body["ready"] is True  # KServe's v1 protocol
+    card = v1.models.retrieve(MODEL)  # OpenAI's
+    assert (card.id, card.object, card.owned_by) == (MODEL, "model", "pagedserve")
+    assert card.created == body["created"] and card.created > 1_600_000_000
+    assert card.model_dump(exclude={"name", "ready"}) == v1.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        v1.models.retrieve("no-such-model")
+    assert httpx.get(f"{kserve.url}/v1/models/no-such-model", timeout=10).status_code == 404
 
 
 def test_health_and_metrics_answer_without_a_key(kserve):
