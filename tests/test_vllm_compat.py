@@ -248,6 +248,40 @@ def test_v1_model_route_answers_kserve_readiness_and_openai_retrieve(v1, kserve)
     assert httpx.get(f"{kserve.url}/v1/models/no-such-model", timeout=10).status_code == 404
 
 
+def test_tokenize_and_detokenize_answer_as_vllms_do(v1, kserve, model_dir, tokenizer):
+    """vLLM's /tokenize (what vllm-router's cache-aware policy asks each worker for) gives the ids the
+    engine runs: the oracle is transformers' tokenizer and the prompt_tokens of the same request."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def post(path, body):
+        return httpx.post(f"{kserve.url}{path}", json=body, headers=auth, timeout=60)
+
+    r = post("/tokenize", {"model": MODEL, "prompt": TEXT})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    max_len = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    assert body == {"count": len(body["tokens"]), "max_model_len": max_len, "tokens": tokenizer(TEXT).input_ids,
+                    "token_strs": None}
+    assert body["count"] == v1.completions.create(model=MODEL, prompt=TEXT, max_tokens=1).usage.prompt_tokens
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": TEXT}]
+    chat = post("/tokenize", {"model": MODEL, "messages": messages, "continue_final_message": False}).json()
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tokenizer(rendered).input_ids
+    assert chat["count"] == v1.chat.completions.create(model=MODEL, messages=messages,
+                                                       max_tokens=1).usage.prompt_tokens
+    assert post("/detokenize", {"model": MODEL, "tokens": body["tokens"]}).json() == {
+        "prompt": tokenizer.decode(body["tokens"])}
+    # errors name what was wrong; the key guards both routes
+    assert httpx.post(f"{kserve.url}/tokenize", json={"prompt": TEXT}, timeout=10).status_code == 401
+    assert post("/tokenize", {"model": "other", "prompt": TEXT}).status_code == 404
+    r = post("/tokenize", {"prompt": TEXT, "add_special_tokens": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens"
+    r = post("/detokenize", {"tokens": [1, 10**9]})
+    assert r.status_code == 400 and "1000000000" in r.json()["error"]["message"]
+    r = post("/tokenize", {"prompt": TEXT, "unknown": 1})
+    assert r.status_code == 400 and "unknown" in r.json()["error"]["message"]
+
+
 def test_health_and_metrics_answer_without_a_key(kserve):
     r = httpx.get(f"{kserve.url}/health", timeout=10)
     assert r.status_code == 200
