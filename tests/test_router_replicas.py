@@ -128,12 +128,15 @@ def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(cluster):
     busy: list[object] = []
     worker = threading.Thread(target=lambda: busy.append(ask(client, "A", "start", max_tokens=LONG_TOKENS, n=8,
                                                              extra_body={"ignore_eos": True})))
+    started = time.monotonic()
     worker.start()
     home_a = wait_running(replicas)
     first_b = ask(client, "B", "start", max_tokens=2)
+    b_answered_s = time.monotonic() - started
     a_still_running = worker.is_alive()
     c1 = counters(replicas)
     worker.join(timeout=CLIENT_TIMEOUT_S * 4)
+    busy_s = time.monotonic() - started
     assert busy and not worker.is_alive(), "the long group-A request never answered"
     assert a_still_running, ("the long group-A request had finished before group B's first request was "
                              "answered: the router may have seen two idle replicas; make LONG_TOKENS larger")
@@ -160,6 +163,7 @@ def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(cluster):
             assert delta[home[group]][1] == hit  # the replica's counter agrees with the usage it reported
             assert hit >= (prefix_tokens(replicas[home[group]], group) // BLOCK - 1) * BLOCK, (group, i, hit)
     FIGURES["prefix"] = {"requests": 2 + 2 * ROUNDS, "home": home, "landed": landed,
+                         "first_b_answered_s": round(b_answered_s, 2), "busy_request_s": round(busy_s, 2),
                          "cached_tokens": cached, "hits": {n: c for n, c in counters(replicas).items()}}
 
 
@@ -204,9 +208,10 @@ def test_a_replica_killed_mid_run_sends_the_rest_to_the_other(cluster):
     slowest = max(f - s for _i, s, f, _r in results)
     assert slowest < CLIENT_TIMEOUT_S
     ok_after_kill = sum(1 for _i, _s, f, r in results if not isinstance(r, Exception) and f > killed_at)
-    assert ok_after_kill >= total - kill_after - 2
-    # every request answered after the kill was served by the survivor, none by the dead replica
-    assert survivor_after[0] - survivor_before[0] == ok_after_kill, (survivor_before, survivor_after, ok_after_kill)
+    # The survivor served the rest: every request but the 4 answered before the kill (all on the
+    # victim, which held the prefix) and at most the 2 in flight when it died.
+    by_survivor = survivor_after[0] - survivor_before[0]
+    assert total - kill_after - 2 <= by_survivor <= total - kill_after, (by_survivor, ok_after_kill)
     # and the survivor now holds the prefix: the next requests hit its cache
     follow_up = [ask(client, "A", f"after {i}", max_tokens=2).usage.prompt_tokens_details.cached_tokens
                  for i in range(3)]
@@ -219,5 +224,5 @@ def test_a_replica_killed_mid_run_sends_the_rest_to_the_other(cluster):
     FIGURES["kill"] = {"requests": total, "killed": victim, "killed_after": kill_after,
                        "answered": total - len(failed), "errors": [f"{r.status_code}: {r.response.text[:200]} (sent {s - killed_at:+.2f} s from the kill)"
                                   for _i, s, _f, r in results if isinstance(r, Exception)],
-                       "answered_after_kill_by_survivor": ok_after_kill, "slowest_s": round(slowest, 2),
+                       "answered_after_kill": ok_after_kill, "served_by_survivor": by_survivor, "slowest_s": round(slowest, 2),
                        "follow_up_cached_tokens": follow_up}
