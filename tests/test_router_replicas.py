@@ -43,7 +43,7 @@ PREFIXES = {  # two long shared prefixes (~290 tokens each with the tiny model's
     "B": "Agent B's standing instructions. " + " ".join(f"omega{i}" for i in range(40)),
 }
 LONG_TOKENS = 640
-"""Tokens of each of the 8 samples of the request that keeps one replica busy (within the tiny model's
+"""Tokens of each of the 16 samples of the request that keeps one replica busy (within the tiny model's
 1024-token context with the prefix)."""
 ROUNDS = 4
 CLIENT_TIMEOUT_S = 60.0
@@ -126,7 +126,7 @@ def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(cluster):
     # A long request of group A keeps one replica busy (the router counts it as that replica's load
     # until its answer is through) while group B's first request is routed.
     busy: list[object] = []
-    worker = threading.Thread(target=lambda: busy.append(ask(client, "A", "start", max_tokens=LONG_TOKENS, n=8,
+    worker = threading.Thread(target=lambda: busy.append(ask(client, "A", "start", max_tokens=LONG_TOKENS, n=16,
                                                              extra_body={"ignore_eos": True})))
     started = time.monotonic()
     worker.start()
