@@ -27,7 +27,7 @@ prefix hit rate; then whether the greedy tokens are identical across policies (t
 the LAST line `ratio throughput/fcfs: X.XXx` (output tok/s; target >= 1.5x).
 
 With --tune: the same prompts (real token ids, so prefixes are shared) and output lengths arrive as
-a seeded Poisson process at --arrival-rate; core/tuner.py searches from the shipped defaults
+a seeded Poisson process at --arrival-rate; tools/tuner.py searches from the shipped defaults
 (trial 0, with the KV pool at its default size, not --num-kv-blocks) for the best throughput
 meeting TTFT p95 <= --ttft-p95, and the table shows both. The LAST line is
 `ratio tuned/defaults: X.XXx` (output tok/s), and whether each met the SLO.
@@ -41,7 +41,7 @@ import random
 import sys
 import time
 
-from bench.common import RunResult, environment_line, print_summary, ratio_line, source_text
+from bench.common import RunResult, add_engine_flags, environment_line, print_summary, ratio_line, source_text
 
 WARMUP_TEXT = "The quick brown fox jumps over the lazy dog. A warm-up request before the clock starts."
 TARGET_RATIO = 1.5
@@ -65,20 +65,15 @@ def build_job(tokenizer, args) -> tuple[list[list[int]], list[int], str]:
     return prompts, output_lens, label
 
 
-def engine_settings(args, policy: str) -> dict:
-    return {"model": args.model, "dtype": args.dtype, "block_size": args.block_size,
-            "num_kv_blocks": args.num_kv_blocks, "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "scheduling_policy": policy,
-            # an offline job: reordering may delay any request for the whole run
-            "scheduling_age_bound_s": 86400.0}
-
-
 def run(policy: str, args, prompts, output_lens) -> tuple[RunResult, list[tuple[int, ...]]]:
-    from pagedserve.core.config import EngineConfig
     from pagedserve.core.engine import LLMEngine
     from pagedserve.core.sampling_params import SamplingParams
+    from pagedserve.tools.engine_args import engine_config_from_args
 
-    engine = LLMEngine(EngineConfig.from_dict(engine_settings(args, policy)))
+    # an offline job: reordering may delay any request for the whole run (no age bound)
+    config = engine_config_from_args(args).replace(num_kv_blocks=args.num_kv_blocks, scheduling_policy=policy,
+                                                   scheduling_age_bound_s=86400.0)
+    engine = LLMEngine(config)
     warm = list(engine.tokenizer(WARMUP_TEXT, add_special_tokens=False)["input_ids"])
     engine.generate([warm], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     s = engine.stats
@@ -108,15 +103,15 @@ def run(policy: str, args, prompts, output_lens) -> tuple[RunResult, list[tuple[
 
 def tune_vs_defaults(args, prompts, output_lens) -> int:
     from pagedserve.core.config import EngineConfig
-    from pagedserve.core.tuner import Slo, best_trial, format_table, tune
     from pagedserve.core.workload import WorkloadItem
+    from pagedserve.tools.tuner import Slo, best_trial, format_table, tune
 
     rng = random.Random(args.seed)
     items, t = [], 0.0
     for p, n in zip(prompts, output_lens):
         items.append(WorkloadItem(t, len(p), n, tuple(p)))
         t += rng.expovariate(args.arrival_rate)
-    base = EngineConfig.from_dict({"model": args.model, "dtype": args.dtype})  # shipped defaults otherwise
+    base = EngineConfig.from_dict({"model": args.model, "dtype": args.dtype})  # the shipped defaults, as trial 0
     slo = Slo(args.ttft_p95)
     print(f"[tune] {len(items)} requests at {args.arrival_rate}/s (Poisson) over {items[-1].arrival_time:.1f}s; "
           f"SLO TTFT p95 <= {args.ttft_p95}s; trial 0 = shipped defaults", flush=True)
@@ -144,12 +139,8 @@ def parse_args(argv):
     ap.add_argument("--output-lens", default="4,8,16,32,64",
                     help="comma-separated output lengths, one drawn per request")
     ap.add_argument("--num-kv-blocks", type=int, default=60)
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--dtype", default="float32",
-                    help="float32 by default: identical greedy tokens across batch mixes need it")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=128)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    # float32 by default: identical greedy tokens across batch mixes need it
+    add_engine_flags(ap, model="default", dtype="float32", block_size=16, max_num_seqs=128, max_num_batched_tokens=1024)
     ap.add_argument("--policies", default="fcfs,throughput",
                     help="run in this order; the peer is fcfs (else the first), ours throughput (else the last)")
     ap.add_argument("--seed", type=int, default=0)

@@ -160,6 +160,16 @@ def generate_workload(tokenizer: Any, num_requests: int = 64, prompt_len: tuple[
     return Workload(name, desc, requests)
 
 
+def add_engine_flags(ap: argparse.ArgumentParser, **defaults: Any) -> None:
+    """The engine's flags (and --engine-config) as every pagedserve command spells them
+    (tools/engine_args.py), with this benchmark's own defaults; read them back with
+    `engine_config_from_args(args)`, plus `.replace(...)` for what the benchmark varies."""
+    from pagedserve.tools.engine_args import add_engine_args
+
+    add_engine_args(ap)
+    ap.set_defaults(**defaults)
+
+
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
     """--workload and --num-requests, the same in every benchmark."""
     ap.add_argument("--workload", default=str(W64),

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import (RunResult, Timer, Workload, WorkloadRequest, add_workload_args,
+from bench.common import (RunResult, Timer, Workload, WorkloadRequest, add_engine_flags, add_workload_args,
                           environment_line, load_workload, print_result, print_summary, ratio_line)
 from bench.throughput import run_pagedserve
 
@@ -66,15 +66,19 @@ async def _stream_all(base_url: str, requests: list[WorkloadRequest]) -> list[tu
         return await asyncio.gather(*(_stream_one(client, url, r) for r in requests))
 
 
-def run_kserve_stream(model: str, engine_args: list[str], workload: Workload,
+def run_kserve_stream(model: str, engine_settings: dict, workload: Workload,
                       threads: int | None) -> tuple[RunResult, list[str]]:
+    """The workload streamed from a `pagedserve kserve` server whose engine has `engine_settings`
+    (the in-process engine's, passed as --engine-config)."""
     from tests.harness.kserve_launch import start_kserve
 
     env = {"OMP_NUM_THREADS": str(threads)} if threads else None
     with tempfile.TemporaryDirectory() as tmp:
+        settings = Path(tmp) / "engine.json"
+        settings.write_text(json.dumps(engine_settings))
         with Timer() as load:
-            server = start_kserve(model, Path(tmp) / "server.log", MODEL_NAME, args=engine_args, env=env,
-                                  timeout=900)
+            server = start_kserve(model, Path(tmp) / "server.log", MODEL_NAME, args=["--engine-config", str(settings)],
+                                  env=env, timeout=900)
         try:
             print(f"[kserve_openai_stream] server ready in {load.elapsed:.1f}s at {server.openai_url}")
             asyncio.run(_stream_all(server.openai_url, [WorkloadRequest(workload.requests[0].prompt_ids[:16], 8)]))
@@ -94,10 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_args(ap)
     ap.add_argument("--max-new-tokens", type=int, default=None, help="cap every request's output length")
-    ap.add_argument("--model", default="default", help="local HF directory or 'default' (SmolLM2-135M)")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--max-num-seqs", type=int, default=None)
+    add_engine_flags(ap, model="default", dtype="auto")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads on both sides (default: torch's own choice)")
     return ap.parse_args(argv)
@@ -107,20 +108,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
 
-    from pagedserve.core.config import EngineConfig
+    from pagedserve.tools.engine_args import engine_config_from_args
 
     if args.threads:
         torch.set_num_threads(args.threads)
     from pagedserve.core.engine import LLMEngine
 
     print(environment_line())
-    config = {"model": args.model, "dtype": args.dtype}
-    engine_args = ["--dtype", args.dtype]
-    for key in ("max_num_batched_tokens", "max_num_seqs"):
-        if getattr(args, key) is not None:
-            config[key] = getattr(args, key)
-            engine_args += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    engine = LLMEngine(EngineConfig.from_dict(config))
+    config = engine_config_from_args(args)
+    engine = LLMEngine(config)
     workload = load_workload(args.workload, engine.tokenizer).head(args.num_requests).cap_new_tokens(args.max_new_tokens)
     if args.num_requests is not None or args.max_new_tokens is not None:
         print(f"[workload] reduced run: {workload.summary()}")
@@ -132,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     del engine
     gc.collect()
 
-    served, texts = run_kserve_stream(args.model, engine_args, workload, args.threads)
+    served, texts = run_kserve_stream(args.model, config.to_dict(), workload, args.threads)
     print_result(served)
     same = sum(a == b for a, b in zip(texts, in_process_texts))
     print(f"[agreement] streamed text equals the in-process text in {same}/{len(texts)} requests")

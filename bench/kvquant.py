@@ -31,7 +31,7 @@ import argparse
 import gc
 from pathlib import Path
 
-from bench.common import (RunResult, Timer, Workload, add_workload_args, environment_line,
+from bench.common import (RunResult, Timer, Workload, add_engine_flags, add_workload_args, environment_line,
                           load_workload, print_result)
 
 WARMUP = [[1, 2, 3, 4, 5, 6, 7, 8] * 4]
@@ -40,12 +40,9 @@ WARMUP = [[1, 2, 3, 4, 5, 6, 7, 8] * 4]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_args(ap)
-    ap.add_argument("--model", default="default", help="local HF directory or 'default' (SmolLM2-135M)")
-    ap.add_argument("--dtype", default="float32", help="model dtype (float32 on AVX2 CPUs; bfloat16 on GPU)")
+    add_engine_flags(ap, model="default", dtype="float32", block_size=16, max_model_len=2048)
     ap.add_argument("--kv-dtypes", default="bf16,int8", help="comma-separated kv_cache_dtype values, baseline first")
     ap.add_argument("--concurrency", type=int, default=16, help="requests the baseline budget admits at once")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--decode-microbench", action="store_true", help="only the GPU decode-attention microbenchmark")
     return ap.parse_args(argv)
 
@@ -153,9 +150,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     from transformers import AutoTokenizer
 
-    from pagedserve.core.config import EngineConfig
     from pagedserve.core.engine import LLMEngine
     from pagedserve.core.models.default_model import resolve_model_path
+    from pagedserve.tools.engine_args import engine_config_from_args
 
     print(environment_line())
     kv_dtypes = [k.strip() for k in args.kv_dtypes.split(",") if k.strip()]
@@ -167,11 +164,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{kv_dtypes[0]} requests at full length")
     results, outputs = [], []
     for kv in kv_dtypes:
-        config = {"model": args.model, "dtype": args.dtype, "kv_cache_dtype": kv, "kv_cache_memory": budget,
-                  "block_size": args.block_size, "max_model_len": 2048}
-        if args.max_num_batched_tokens is not None:
-            config["max_num_batched_tokens"] = args.max_num_batched_tokens
-        engine = LLMEngine(EngineConfig.from_dict(config))
+        engine = LLMEngine(engine_config_from_args(args).replace(kv_cache_dtype=kv, kv_cache_memory=budget))
         result, out = run(engine, workload, kv)
         print_result(result)
         results.append(result)

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-from bench.common import LICENSE_DIR, RunResult, environment_line, print_summary, ratio_line
+from bench.common import LICENSE_DIR, RunResult, add_engine_flags, environment_line, print_summary, ratio_line
 
 APACHE = LICENSE_DIR / "Apache-2.0"
 WARMUP_TEXT = "The quick brown fox jumps over the lazy dog. A warm-up request before the clock starts."
@@ -63,15 +63,11 @@ def build_prompts(tokenizer, num_requests: int, prefix_len: int, suffix_len: int
 
 
 def run(caching: bool, args, prompts: list[list[int]]) -> tuple[RunResult, dict[str, list[int]]]:
-    from pagedserve.core.config import EngineConfig
     from pagedserve.core.engine import LLMEngine
     from pagedserve.core.sampling_params import SamplingParams
+    from pagedserve.tools.engine_args import engine_config_from_args
 
-    engine = LLMEngine(EngineConfig.from_dict({
-        "model": args.model, "dtype": args.dtype, "block_size": args.block_size,
-        "enable_prefix_caching": caching, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_num_seqs": args.max_num_seqs,
-    }))
+    engine = LLMEngine(engine_config_from_args(args).replace(enable_prefix_caching=caching))
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     warm = list(engine.tokenizer(WARMUP_TEXT, add_special_tokens=False)["input_ids"])
     engine.add_request("warmup", warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
@@ -125,11 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-len", type=int, default=512)
     ap.add_argument("--suffix-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    ap.add_argument("--max-num-seqs", type=int, default=128)
+    add_engine_flags(ap, model="default", dtype="auto", block_size=16, max_num_batched_tokens=1024, max_num_seqs=128)
     args = ap.parse_args(argv)
     for name in ("num_requests", "prefix_len", "output_len"):
         if getattr(args, name) < 1:

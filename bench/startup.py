@@ -159,7 +159,7 @@ class Launcher:
 
 def pagedserve_command() -> list[str]:
     script = Path(sys.executable).parent / "pagedserve"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "pagedserve.adapters.cli"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "pagedserve.tools.cli"]
 
 
 def make_launcher(name: str, model: str) -> Launcher:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.common import (RunResult, Timer, Workload, add_workload_args, environment_line,
+from bench.common import (RunResult, Timer, Workload, add_engine_flags, add_workload_args, environment_line,
                           load_workload, print_result, print_summary)
 
 SCHEMA = {
@@ -97,8 +97,7 @@ def json_prefix_ok(text: str) -> bool:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_args(ap)
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--dtype", default="auto")
+    add_engine_flags(ap, model="default", dtype="auto")
     ap.add_argument("--rounds", type=int, default=1, help="alternate the two runs this many times (medians)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="cap every request's new tokens (fewer steps at the same batch size; a quick run)")
@@ -107,13 +106,13 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.apply == "xgrammar":
         use_xgrammar_apply()
-    from pagedserve.core.config import EngineConfig
     from pagedserve.core.engine import LLMEngine
     from pagedserve.core.sampling_params import SamplingParams
     from pagedserve.core.structured_output.params import json_schema_constraint
+    from pagedserve.tools.engine_args import engine_config_from_args
 
     print(environment_line())
-    engine = LLMEngine(EngineConfig.from_dict({"model": args.model, "dtype": args.dtype}))
+    engine = LLMEngine(engine_config_from_args(args))
     workload = load_workload(args.workload, engine.tokenizer).head(args.num_requests)
     if args.max_new_tokens is not None:
         workload = Workload(f"{workload.name}, new tokens <= {args.max_new_tokens}", workload.description,

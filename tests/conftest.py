@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.harness.kserve_launch import start_kserve
+from tests.harness import ONE_THREAD
 from tests.tiny_models import build_tiny_model
 
 # One intra-op thread: the test models are tiny, and OpenMP's thread hand-off costs far more than
@@ -28,3 +30,15 @@ def tiny_model_dir(tmp_path_factory):
         return cache[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_kserve(tmp_path_factory):
+    """A real kserve ModelServer serving the embedded SmolLM2 in fp32, shared by the slow tests of
+    the OpenAI routes (structured output, forced tool calls): each start costs ~20 s of CI."""
+    srv = start_kserve("default", tmp_path_factory.mktemp("smollm2-kserve") / "server.log", "smollm2",
+                       args=("--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "64",
+                             "--kv-cache-memory", str(512 * 2**20)),
+                       env=ONE_THREAD, timeout=300)
+    yield srv
+    srv.stop()

@@ -9,13 +9,11 @@ from pathlib import Path
 
 import httpx
 
+from tests.harness import ONE_THREAD
 from tests.harness.kserve_launch import KServeProcess, start_kserve
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-# One intra-op thread: with 2 cores shared by the test process and other servers, a second
-# thread makes small torch ops far slower (see conftest.py).
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def with_chat_template(src: Path, dst: Path) -> Path:

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from pagedserve.adapters.cli import main
+from pagedserve.tools.cli import main
 
 from tests.oracle import hf_greedy
 
@@ -35,8 +35,8 @@ def test_engine_config_file_and_bad_key(tiny_model_dir, tmp_path, capsys):
 
 
 def test_engine_config_file_errors_name_the_file_and_flags_override_it(tiny_model_dir, tmp_path, capsys):
-    from pagedserve.adapters.cli import build_parser
-    from pagedserve.core.engine_args import engine_config_from_args
+    from pagedserve.tools.cli import build_parser
+    from pagedserve.tools.engine_args import engine_config_from_args
 
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
@@ -52,7 +52,7 @@ def test_engine_config_file_errors_name_the_file_and_flags_override_it(tiny_mode
 
 
 def test_missing_model_path_is_a_clear_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pagedserve.adapters.cli", "generate", "--model",
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.tools.cli", "generate", "--model",
                            str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert str(tmp_path / "nope") in proc.stderr and "Traceback" not in proc.stderr

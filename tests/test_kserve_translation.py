@@ -62,7 +62,8 @@ def test_the_fields_vllm_router_adds_are_accepted_at_its_defaults_and_change_not
             parse(cls, {**body, field: value}).sampling_params()
         assert err.value.status == 400 and err.value.param == field and field in err.value.message
     # separating reasoning is moot without a reasoning parser: both values accepted
-    parse(ChatCompletionRequest, {**ROUTER_CHAT, "separate_reasoning": False, "stream_reasoning": False}).sampling_params()
+    moot = {**ROUTER_CHAT, "separate_reasoning": False, "stream_reasoning": False}
+    assert parse(ChatCompletionRequest, moot).sampling_params() == plain_chat.sampling_params()
 
 
 def test_prompt_shapes():

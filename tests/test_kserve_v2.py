@@ -169,7 +169,7 @@ def test_model_is_healthy_only_after_the_engine_warmed_up(tiny_model_dir):
 
 
 def test_cli_rejects_a_bad_engine_flag_before_starting(tiny_model_dir):
-    proc = subprocess.run([sys.executable, "-m", "pagedserve.adapters.cli", "kserve", "--model",
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.tools.cli", "kserve", "--model",
                            str(tiny_model_dir("llama")), "--block-size", "0"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

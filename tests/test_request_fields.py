@@ -14,9 +14,7 @@ model), queried with the stock clients (openai SDK, httpx, tritonclient.grpc, pl
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 from pathlib import Path
 
 import httpx
@@ -27,12 +25,11 @@ import torch
 
 from pagedserve.adapters.kserve.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from pagedserve.adapters.triton_server.contracts import ALL_INPUTS, parse_request
-from pagedserve.adapters.triton_server.launcher import DEFAULT_REPOSITORY, start_server as start_triton
 from pagedserve.core.errors import InvalidRequest
 from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.core.structured_output.params import ALL_KEYS as STRUCTURED_OUTPUT_KEYS
 
-from tests.harness.local_ports import free_ports
+from tests.harness.triton_launch import start_triton_on
 from tests.kserve_server import engine_value, scrape as scrape_kserve, start_server as start_kserve, with_chat_template
 from tests.tiny_models import VOCAB_SIZE
 from tests.triton_helpers import (GrpcStream, grpc_request, http_post, scrape as scrape_triton, text_inputs,
@@ -65,13 +62,8 @@ def client(kserve):
 
 @pytest.fixture(scope="module")
 def triton(model_dir, tmp_path_factory):
-    repo = tmp_path_factory.mktemp("fields-triton") / "model_repository"
-    shutil.copytree(DEFAULT_REPOSITORY, repo)
-    (repo / "pagedserve" / "1" / "engine.json").write_text(json.dumps({"model": str(model_dir), "dtype": "float32"}))
-    http, grpc, metrics = free_ports(3)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    srv = start_triton(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, models=["pagedserve"], env=env,
-                       log_path=repo.parent / "tritonserver.log", timeout=180)
+    srv = start_triton_on(tmp_path_factory.mktemp("fields-triton"), {"model": str(model_dir), "dtype": "float32"},
+                          timeout=180)
     # the metrics port may open a moment after the models report ready
     assert wait_for(lambda: _answers(srv.metrics_url), timeout=30), "Triton's metrics port never opened"
     yield srv

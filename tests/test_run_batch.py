@@ -11,8 +11,8 @@ import json
 import jsonschema
 import pytest
 
-from pagedserve.adapters.kserve.batch import main as run_batch_main
-from pagedserve.adapters.kserve.batch import run_batch
+from pagedserve.tools.run_batch import main as run_batch_main
+from pagedserve.tools.run_batch import run_batch
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 
@@ -145,7 +145,7 @@ def test_cli_reports_progress_with_tokens_per_second(tiny_model_dir, tmp_path, c
 
 
 def test_cli_runs_with_the_throughput_policy_unless_told_otherwise(tmp_path):
-    from pagedserve.adapters.kserve.batch import batch_engine_config, build_parser
+    from pagedserve.tools.run_batch import batch_engine_config, build_parser
 
     assert batch_engine_config(build_parser().parse_args(["-i", "x", "-o", "y"])).scheduler.scheduling_policy \
         == "throughput"
@@ -158,7 +158,7 @@ def test_cli_runs_with_the_throughput_policy_unless_told_otherwise(tmp_path):
 
 
 def test_cli_batch_defaults_fill_only_what_the_engine_config_leaves_out(tmp_path):
-    from pagedserve.adapters.kserve.batch import BATCH_DEFAULTS, batch_engine_config, build_parser
+    from pagedserve.tools.run_batch import BATCH_DEFAULTS, batch_engine_config, build_parser
 
     cfg = tmp_path / "engine.json"
     cfg.write_text(json.dumps({"scheduling_age_bound_s": 5.0, "max_num_seqs": 3}))
@@ -201,7 +201,7 @@ def test_chat_lines_on_the_default_model_from_the_pagedserve_command(tmp_path):
                   "tools": [CITY_TOOL], "tool_choice": {"type": "function", "function": {"name": "weather"}},
                   "max_tokens": 40, "temperature": 0}},
     ])
-    proc = subprocess.run([sys.executable, "-m", "pagedserve.adapters.cli", "run-batch", "-i", str(inp), "-o", str(out),
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.tools.cli", "run-batch", "-i", str(inp), "-o", str(out),
                            "--model", "default", "--max-model-len", "512", "--no-progress"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr

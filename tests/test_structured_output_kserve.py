@@ -19,14 +19,11 @@ from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams
 
-from tests.harness.kserve_launch import start_kserve
-from tests.kserve_server import ONE_THREAD, engine_value, scrape
+from tests.kserve_server import engine_value, scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MODEL = "smollm2"
-SETTINGS = ("--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "64",
-            "--kv-cache-memory", str(512 * 2**20))
 PERSON = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer", "minimum": 0},
                          "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3}},
@@ -36,16 +33,8 @@ ANSWERS = ["yes", "no", "it depends"]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = start_kserve("default", tmp_path_factory.mktemp("so-kserve") / "server.log", MODEL, args=SETTINGS,
-                       env=ONE_THREAD, timeout=300)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=300)
+def client(smollm2_kserve):
+    return openai.OpenAI(base_url=smollm2_kserve.openai_url, api_key="unused", max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +109,9 @@ def test_invalid_constraints_are_400_naming_the_field(client, body, param):
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
-def test_streamed_invalid_constraint_gets_its_status_before_the_stream(server):
+def test_streamed_invalid_constraint_gets_its_status_before_the_stream(smollm2_kserve):
     body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True, "guided_regex": "[z-a]"}
-    r = httpx.post(f"{server.openai_url}/completions", json=body, timeout=60)
+    r = httpx.post(f"{smollm2_kserve.openai_url}/completions", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
 
 
@@ -132,7 +121,7 @@ def test_unsatisfiable_constraint_has_its_own_finish_reason(client):
     assert r.choices[0].finish_reason == "unsatisfiable" and r.choices[0].text in ("yes", "no")
 
 
-def test_cancelled_constrained_stream_frees_the_engine(server, client):
+def test_cancelled_constrained_stream_frees_the_engine(smollm2_kserve, client):
     stream = client.chat.completions.create(model=MODEL, messages=user("Write a very long list of people."),
                                             max_tokens=400, temperature=0, stream=True,
                                             extra_body={"guided_json": {"type": "array", "items": PERSON}})
@@ -140,7 +129,7 @@ def test_cancelled_constrained_stream_frees_the_engine(server, client):
         pass
     stream.close()
     deadline = time.monotonic() + 30
-    while engine_value(scrape(server.url), "pagedserve:num_requests_running", MODEL) != 0:
+    while engine_value(scrape(smollm2_kserve.url), "pagedserve:num_requests_running", MODEL) != 0:
         assert time.monotonic() < deadline, "the cancelled request is still running"
         time.sleep(0.1)
     r = client.completions.create(model=MODEL, prompt="Pick:", max_tokens=5, temperature=0,
@@ -148,7 +137,7 @@ def test_cancelled_constrained_stream_frees_the_engine(server, client):
     assert r.choices[0].text in ANSWERS
 
 
-def test_64_concurrent_mixed_requests(server, oracle):
+def test_64_concurrent_mixed_requests(smollm2_kserve, oracle):
     """32 unconstrained greedy requests between 32 constrained ones: the constrained outputs
     satisfy their constraints and the unconstrained ones are token-identical to the engine run
     with no constraint in the batch."""
@@ -158,7 +147,7 @@ def test_64_concurrent_mixed_requests(server, oracle):
              ("choice", {"guided_choice": ANSWERS}), ("json_object", {"response_format": {"type": "json_object"}})]
 
     async def main():
-        aclient = openai.AsyncOpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=600)
+        aclient = openai.AsyncOpenAI(base_url=smollm2_kserve.openai_url, api_key="unused", max_retries=0, timeout=600)
         free = [aclient.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0)
                 for p in free_prompts]
         constrained = [aclient.chat.completions.create(

@@ -5,22 +5,19 @@ the choice list; unconstrained outputs are compared with the engine run in-proce
 from __future__ import annotations
 
 import json
-import os
 import queue
 import re
-import shutil
 
 import jsonschema
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from pagedserve.adapters.triton_server.launcher import DEFAULT_REPOSITORY, start_server
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams
 
-from tests.harness.local_ports import free_ports
+from tests.harness.triton_launch import start_triton_on
 from tests.triton_helpers import grpc_request, http_post, text_inputs, token_inputs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -36,15 +33,8 @@ ANSWERS = ["yes", "no", "it depends"]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    repo = tmp_path_factory.mktemp("so-triton") / "model_repository"
-    shutil.copytree(DEFAULT_REPOSITORY, repo)
     # The shipped repository: one model serving both contracts.
-    (repo / "pagedserve" / "1" / "engine.json").write_text(json.dumps(SETTINGS))
-    http, grpc, metrics = free_ports(3)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    srv = start_server(repo, http_port=http, grpc_port=grpc, metrics_port=metrics,
-                       models=["pagedserve"], env=env,
-                       log_path=repo.parent / "tritonserver.log", timeout=300)
+    srv = start_triton_on(tmp_path_factory.mktemp("so-triton"), SETTINGS)
     yield srv
     srv.stop()
 

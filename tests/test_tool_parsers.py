@@ -1,4 +1,4 @@
-"""The tool-call parsers (adapters/kserve/tool_parsers.py) on crafted model output: what is a call,
+"""The tool-call parsers (adapters/kserve/tool_parsers/) on crafted model output: what is a call,
 what stays content, and that feeding the text in any pieces gives what feeding it whole gives (the
 streamed message then assembles to the non-streamed one)."""
 

@@ -389,7 +389,7 @@ def test_backend_dir_holds_symlinks_and_env_finds_this_python(tmp_path):
 
 
 def test_launcher_names_a_missing_repository(tmp_path):
-    from pagedserve.adapters.cli import main
+    from pagedserve.tools.cli import main
 
     with pytest.raises(SystemExit, match="does not exist; pass --model-repository"):
         main(["triton", "--model-repository", str(tmp_path / "nope"), "--http-port", "1"])

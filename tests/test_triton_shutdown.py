@@ -63,7 +63,7 @@ class Launched:
         self.log_path = tmp / "pagedserve-triton.log"
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pagedserve.adapters.cli", "triton", "--model-repository", str(repo),
+                [sys.executable, "-m", "pagedserve.tools.cli", "triton", "--model-repository", str(repo),
                  "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(metrics)],
                 stdout=log, stderr=subprocess.STDOUT, env=one_thread_env())
         try:

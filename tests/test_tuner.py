@@ -14,9 +14,9 @@ import pytest
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.errors import ConfigError
-from pagedserve.core.replay import ReplayResult, percentile
+from pagedserve.tools.replay import ReplayResult, percentile
 from pagedserve.core.sampling_params import SamplingParams
-from pagedserve.core.tuner import LADDERS, Limit, Slo, best_trial, main, make_measure, search
+from pagedserve.tools.tuner import LADDERS, Limit, Slo, best_trial, main, make_measure, search
 from pagedserve.core.workload import load_workload
 
 
@@ -156,7 +156,7 @@ def test_recorder_writes_lengths_and_arrival_times_only_and_tune_replays_them(ti
     assert "paged" not in path.read_text()
     assert min(r["arrival_time"] for r in rows) == 0.0 and max(r["arrival_time"] for r in rows) > 0.0
     items = load_workload(path)
-    from pagedserve.core.replay import replay
+    from pagedserve.tools.replay import replay
     res = replay(engine, items)
     assert res.num_requests == 3 and res.output_tokens == 10
 
@@ -164,7 +164,7 @@ def test_recorder_writes_lengths_and_arrival_times_only_and_tune_replays_them(ti
 def test_record_workload_reaches_both_servers_config_paths(tmp_path):
     from pagedserve.adapters.kserve.server import build_parser
     from pagedserve.adapters.triton_server.engine_config import load_engine_config
-    from pagedserve.core.engine_args import engine_config_from_args
+    from pagedserve.tools.engine_args import engine_config_from_args
 
     args = build_parser().parse_args(["--record-workload", str(tmp_path / "w.jsonl")])
     assert engine_config_from_args(args).scheduler.record_workload == str(tmp_path / "w.jsonl")

@@ -13,20 +13,16 @@ model (tests/oracle.py), and the servers' own names and shapes as vLLM defines t
 from __future__ import annotations
 
 import json
-import os
-import shutil
 
 import httpx
-import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from pagedserve.adapters.engine_metrics import VLLM_LABELLED_COUNTERS, VLLM_METRICS
-from pagedserve.adapters.triton_server.launcher import DEFAULT_REPOSITORY, start_server as start_triton
 
-from tests.harness.local_ports import free_ports
+from tests.harness.triton_launch import start_triton_on
 from tests.kserve_server import start_server as start_kserve, with_chat_template
 from tests.oracle import hf_processed_greedy, hf_prompt_logprobs
 from tests.triton_helpers import GrpcStream, grpc_request, http_post, text_inputs, wait_for
@@ -67,13 +63,8 @@ def v1(kserve):
 
 @pytest.fixture(scope="module")
 def triton(model_dir, tmp_path_factory):
-    repo = tmp_path_factory.mktemp("compat-triton") / "model_repository"
-    shutil.copytree(DEFAULT_REPOSITORY, repo)
-    (repo / "pagedserve" / "1" / "engine.json").write_text(json.dumps({"model": str(model_dir), "dtype": "float32"}))
-    http, grpc, metrics = free_ports(3)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    srv = start_triton(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, models=["pagedserve"], env=env,
-                       log_path=repo.parent / "tritonserver.log", timeout=600)
+    srv = start_triton_on(tmp_path_factory.mktemp("compat-triton"), {"model": str(model_dir), "dtype": "float32"},
+                          timeout=600)  # a loaded shared machine: generous
     yield srv
     srv.stop()
 

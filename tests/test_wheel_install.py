@@ -28,6 +28,7 @@ from pagedserve.core.engine import LLMEngine
 from pagedserve.core.sampling_params import SamplingParams
 
 from bench.proctree import process_tree
+from tests.harness import ONE_THREAD
 from tests.harness.local_ports import free_ports
 from tests.triton_helpers import grpc_request, text_inputs, token_inputs
 
@@ -36,7 +37,6 @@ pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The paged KV cache hands out blocks"
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def run(cmd, **kwargs) -> str:

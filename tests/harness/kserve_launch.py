@@ -50,7 +50,7 @@ def start_kserve(model: str | Path, log_path: Path, model_name: str = "pagedserv
     """Start the server on loopback free ports; return once /v2/models/<name>/ready answers 200
     (the engine has loaded and warmed up). Raises with the log's tail if it exits or times out."""
     http_port, grpc_port = free_ports(2)
-    cmd = [sys.executable, "-m", "pagedserve.adapters.cli", "kserve", "--model", str(model), "--model-name", model_name,
+    cmd = [sys.executable, "-m", "pagedserve.tools.cli", "kserve", "--model", str(model), "--model-name", model_name,
            "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port), *args]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})

@@ -94,11 +94,15 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class _Add:
+    """A request for the engine thread: LLMEngine.add_request's arguments and the stream to answer."""
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    kwargs: dict[str, Any]
     stream: _Stream
+    cache_salt: str | None = None
+    use_prefix_cache: bool = True
+    deadline: float | None = None
+    compiled_grammar: Any = None
 
 
 @dataclass(frozen=True)
@@ -145,14 +149,17 @@ class AsyncLLMEngine:
 
     # -- caller side -----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                       *, timeout: float | None = None, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+                       *, timeout: float | None = None, cache_salt: str | None = None,
+                       use_prefix_cache: bool = True) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutput deltas until every sample of the request has finished.
 
         timeout: seconds from now after which the request ends with finish_reason "timeout"
-        (None: the engine's request_timeout, if any). kwargs: cache_salt, use_prefix_cache
-        (compiled_grammar is filled in here). Invalid requests raise InvalidRequest (or a
-        subclass) from the first iteration, a full waiting queue EngineOverloaded, a closed or
-        draining engine EngineDead / EngineShuttingDown (at once), a failed step EngineStepFailed.
+        (None: the engine's request_timeout, if any). cache_salt: a tenant's salt; only requests
+        with the same salt share cached prompt blocks. use_prefix_cache: False computes every
+        prompt position. Sampling and structured output travel in `params`.
+        Invalid requests raise InvalidRequest (or a subclass) from the first iteration, a full
+        waiting queue EngineOverloaded, a closed or draining engine EngineDead /
+        EngineShuttingDown (at once), a failed step EngineStepFailed.
         """
         self._check_accepting()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -164,14 +171,16 @@ class AsyncLLMEngine:
             token_ids = await self.tokenize(prompt)
             if params.bad_words or params.logit_bias:  # bad_words are tokenized: off the engine thread
                 params = await self._on_tokenizer_pool(self._engine.prepare_params, params)
-            if params.structured_output is not None and "compiled_grammar" not in kwargs:
+            compiled_grammar = None
+            if params.structured_output is not None:
                 # Compiled on a worker thread (cached per constraint) and awaited here, before the
                 # engine thread sees the request: a slow schema holds back only its own request, and
                 # one that does not compile fails here with InvalidRequest.
-                kwargs["compiled_grammar"] = await asyncio.wrap_future(
+                compiled_grammar = await asyncio.wrap_future(
                     self._engine.structured_output.compiler.submit(params.structured_output))
             stream = _Stream(asyncio.get_running_loop(), samples_left=params.n)
-            self._submit(_Add(request_id, token_ids, params, {**kwargs, "deadline": deadline}, stream))
+            self._submit(_Add(request_id, token_ids, params, stream, cache_salt=cache_salt,
+                              use_prefix_cache=use_prefix_cache, deadline=deadline, compiled_grammar=compiled_grammar))
             submitted = True
             while True:
                 item = await stream.queue.get()
@@ -361,7 +370,9 @@ class AsyncLLMEngine:
 
     def _add(self, cmd: _Add) -> None:
         try:
-            self._engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, **cmd.kwargs)
+            self._engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cache_salt=cmd.cache_salt,
+                                     use_prefix_cache=cmd.use_prefix_cache, deadline=cmd.deadline,
+                                     compiled_grammar=cmd.compiled_grammar)
         except PagedServeError as exc:  # a bad or refused request ends on its own
             cmd.stream.put(exc)
             return

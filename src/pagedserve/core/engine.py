@@ -112,6 +112,8 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self.runner = ModelRunner(model, self.num_kv_blocks, cc.block_size, kv_spec)
+        if self.threads.enabled:
+            model.between_layers = self.threads.poll
         mark("KV cache")
         self._ids = itertools.count()
         self._requests: dict[str, EngineRequest] = {}

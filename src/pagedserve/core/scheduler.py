@@ -109,14 +109,17 @@ class Scheduler:
         #    The policy orders the queue and may defer a request or stop admission (fcfs never does).
         skipped: list[Request] = []
         if not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            self.policy.order(self)
+            reordered = self.policy.order(self.waiting, self.running, self.kv)
+            if reordered is not None:
+                self.waiting.clear()
+                self.waiting.extend(reordered)
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if self._waits_for_leader(request):
                 skipped.append(self.waiting.popleft())
                 continue
             hits, num_hit_tokens, from_leader = self._reusable_blocks(request)
-            admission = self.policy.admit(self, request, hits, num_new)
+            admission = self.policy.admit(request, hits, num_new, self.running, self.kv)
             if admission is Admission.DEFER:
                 skipped.append(self.waiting.popleft())
                 continue

@@ -2,8 +2,12 @@
 
 The scheduler asks its policy two things per iteration and nothing else differs between policies:
 
-  order(scheduler)                          reorder the waiting queue once, before admission
-  admit(scheduler, request, hits, ...)      ADMIT, DEFER (skip this step, keep its place) or STOP
+  order(waiting, running, kv)               the waiting queue's new order (None: keep it), once
+                                            before admission
+  admit(request, hits, num_new, running, kv)  ADMIT, DEFER (skip this step, keep its place) or STOP
+
+A policy sees the queues and the KV cache manager, never the scheduler: it orders, the scheduler
+acts (so the two modules do not import each other).
 
 `fcfs` never reorders and always admits, so the scheduler behaves exactly as it did before
 policies existed (online serving's default). `prefix` orders waiting requests so those sharing the
@@ -23,16 +27,12 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 from pagedserve.core.config import SCHEDULING_POLICIES
 from pagedserve.core.kv_cache.block_pool import KVBlock
-from pagedserve.core.kv_cache.manager import cdiv
+from pagedserve.core.kv_cache.manager import KVCacheManager, cdiv
 from pagedserve.core.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from pagedserve.core.scheduler import Scheduler
 
 __all__ = ["SCHEDULING_POLICIES", "Admission", "make_policy"]
 
@@ -50,11 +50,12 @@ class FcfsPolicy:
 
     name = "fcfs"
 
-    def order(self, scheduler: "Scheduler") -> None:
-        pass
+    def order(self, waiting: Sequence[Request], running: Sequence[Request],
+              kv: KVCacheManager) -> list[Request] | None:
+        return None
 
-    def admit(self, scheduler: "Scheduler", request: Request, hits: list[KVBlock],
-              num_new: dict[int, int]) -> Admission:
+    def admit(self, request: Request, hits: list[KVBlock], num_new: dict[int, int], running: Sequence[Request],
+              kv: KVCacheManager) -> Admission:
         return Admission.ADMIT
 
 
@@ -70,15 +71,15 @@ class PrefixPolicy:
     def is_aged(self, request: Request, now: float) -> bool:
         return now - request.arrival_time > self.age_bound_s
 
-    def order(self, scheduler: "Scheduler") -> None:
-        if len(scheduler.waiting) < 2:
-            return
+    def order(self, waiting: Sequence[Request], running: Sequence[Request],
+              kv: KVCacheManager) -> list[Request] | None:
+        if len(waiting) < 2:
+            return None
         now = self.clock()
-        kv = scheduler.kv
-        pending = {h for r in scheduler.running for h in kv.prefix_hashes(r)}
+        pending = {h for r in running for h in kv.prefix_hashes(r)}
         group_rank: dict[bytes | None, int] = {}
         keyed = []
-        for request in scheduler.waiting:
+        for request in waiting:
             seq = request.seq_id  # arrival order: a stable tie-break that survives reordering
             if request.status == RequestStatus.PREEMPTED:
                 key = (0, seq)  # it already produced tokens: resume it first, as fcfs does
@@ -96,35 +97,33 @@ class PrefixPolicy:
                 key = (2, -shared, *self._within(rank, request, shared * kv.block_size), seq)
             keyed.append((key, request))
         keyed.sort(key=lambda kr: kr[0])
-        scheduler.waiting.clear()
-        scheduler.waiting.extend(r for _, r in keyed)
+        return [r for _, r in keyed]
 
     def _within(self, group_rank: int, request: Request, num_shared_tokens: int) -> tuple:
         """Order among requests sharing equally long prefixes: by prefix group."""
         return (group_rank,)
 
-    def admit(self, scheduler: "Scheduler", request: Request, hits: list[KVBlock],
-              num_new: dict[int, int]) -> Admission:
+    def admit(self, request: Request, hits: list[KVBlock], num_new: dict[int, int], running: Sequence[Request],
+              kv: KVCacheManager) -> Admission:
         if self.is_aged(request, self.clock()):
             return Admission.ADMIT
-        if self._prefix_is_pending(scheduler, request, len(hits), num_new):
+        if self._prefix_is_pending(request, len(hits), num_new, running, kv):
             return Admission.DEFER
         return Admission.ADMIT
 
     @staticmethod
-    def _prefix_is_pending(scheduler: "Scheduler", request: Request, num_hit_blocks: int,
-                           num_new: dict[int, int]) -> bool:
+    def _prefix_is_pending(request: Request, num_hit_blocks: int, num_new: dict[int, int],
+                           running: Sequence[Request], kv: KVCacheManager) -> bool:
         """Whether a running request is still prefilling blocks this request would otherwise
         compute itself: waiting one step turns them into prefix hits."""
         if request.num_computed_tokens or request.prompt_leader is not None:
             return False
-        kv = scheduler.kv
         hashes = kv.prefix_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // kv.block_size
         if num_hit_blocks >= min(len(hashes), max_hit_blocks):
             return False
         next_hash = hashes[num_hit_blocks]
-        for other in scheduler.running:
+        for other in running:
             done_after_step = (other.num_computed_tokens + num_new.get(other.seq_id, 0)) // kv.block_size
             other_hashes = kv.prefix_hashes(other)
             if (len(other_hashes) > num_hit_blocks >= done_after_step
@@ -147,21 +146,20 @@ class ThroughputPolicy(PrefixPolicy):
         to_prefill = max(request.num_prompt_tokens - num_shared_tokens, 1)
         return (-request.max_tokens / to_prefill, group_rank)
 
-    def order(self, scheduler: "Scheduler") -> None:
-        super().order(scheduler)
-        kv = scheduler.kv
+    def order(self, waiting: Sequence[Request], running: Sequence[Request],
+              kv: KVCacheManager) -> list[Request] | None:
         # Blocks held now plus what running requests still add before reaching max_tokens.
         growth = sum(max(cdiv(r.num_prompt_tokens + r.max_tokens, kv.block_size) - kv.num_held_blocks(r), 0)
-                     for r in scheduler.running)
+                     for r in running)
         self._projected_blocks = kv.num_used_blocks + growth
+        return super().order(waiting, running, kv)
 
-    def admit(self, scheduler: "Scheduler", request: Request, hits: list[KVBlock],
-              num_new: dict[int, int]) -> Admission:
-        decision = super().admit(scheduler, request, hits, num_new)
+    def admit(self, request: Request, hits: list[KVBlock], num_new: dict[int, int], running: Sequence[Request],
+              kv: KVCacheManager) -> Admission:
+        decision = super().admit(request, hits, num_new, running, kv)
         if decision is not Admission.ADMIT:
             return decision
-        kv = scheduler.kv
-        revived = sum(1 for b in hits if b.ref_cnt == 0)
+        revived = kv.num_revived(hits)
         final_blocks = cdiv(request.num_prompt_tokens + request.max_tokens, kv.block_size)
         cost = max(final_blocks - kv.num_held_blocks(request) - len(hits), 0) + revived
         if self._projected_blocks + cost > kv.num_blocks and not self.is_aged(request, self.clock()):

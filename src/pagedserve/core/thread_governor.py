@@ -6,7 +6,8 @@ runs on one of the team's cores, the thread there gets half of that core at best
 waits for it: measured on 2 cores, one busy neighbour made a W64 run 9x slower with two threads,
 where one thread on the free core loses only what one core is worth (about 0.6x).
 
-How. Twice a second the engine thread (`poll()`, before a step) reads two figures:
+How. Twice a second the engine thread (`poll()`, before a step and after each layer: a step
+slowed by a neighbour can last seconds) reads two figures:
 
 * waiting: how long this process's threads were ready to run but had no CPU (the run delay in
   /proc/self/task/*/schedstat), less the time its cgroup's quota throttled it (cpu.stat): a quota
@@ -164,7 +165,8 @@ class ThreadGovernor:
         return s
 
     def poll(self, now: float | None = None) -> None:
-        """Called by the engine thread before each step; cheap except once per interval."""
+        """Called by the engine thread before each step and after each layer; cheap except once per
+        interval."""
         if not self.enabled:
             return
         now = time.monotonic() if now is None else now

@@ -27,7 +27,7 @@ from pagedserve.adapters.kserve.errors import (OpenAIError, error_body, error_he
                                                to_openai_error)
 from pagedserve.adapters.kserve.guards import request_timeout
 from pagedserve.adapters.kserve.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from pagedserve.adapters.kserve.responses import CompletionRenderer, StreamUsage, _Renderer
+from pagedserve.adapters.kserve.responses import CompletionRenderer, StreamUsage, ResponseRenderer
 from pagedserve.adapters.kserve.tool_responses import chat_renderer
 from pagedserve.core.async_engine import AsyncLLMEngine
 from pagedserve.core.errors import PagedServeError
@@ -109,7 +109,7 @@ async def until_disconnected(request: Request, aw: Awaitable[T]) -> T:
             await asyncio.gather(task, return_exceptions=True)
 
 
-async def _collect(outputs: AsyncIterator[Output], renderer: _Renderer) -> None:
+async def _collect(outputs: AsyncIterator[Output], renderer: ResponseRenderer) -> None:
     async for i, out in outputs:
         renderer.add(i, out)
 
@@ -219,7 +219,7 @@ class OpenAIServing:
                                    req.stream_usage)
 
     async def _respond(self, request: Request, engine: AsyncLLMEngine, prompts: Sequence[str | list[int]],
-                       params: SamplingParams, engine_kwargs: dict[str, Any], renderer: _Renderer, stream: bool,
+                       params: SamplingParams, engine_kwargs: dict[str, Any], renderer: ResponseRenderer, stream: bool,
                        usage: StreamUsage) -> Response:
         try:
             timeout = request_timeout(request.headers)
@@ -242,7 +242,7 @@ class OpenAIServing:
                                  media_type="text/event-stream")
 
     @staticmethod
-    async def _sse(first: Output, outputs: AsyncIterator[Output], renderer: _Renderer,
+    async def _sse(first: Output, outputs: AsyncIterator[Output], renderer: ResponseRenderer,
                    usage: StreamUsage) -> AsyncIterator[str]:
         try:
             if (chunk := renderer.stream_chunk(*first, usage)) is not None:

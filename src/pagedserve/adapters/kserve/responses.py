@@ -47,7 +47,9 @@ class _Choice:
     num_output_tokens: int = 0
 
 
-class _Renderer:
+class ResponseRenderer:
+    """One response's bodies (non-streamed) and chunks (streamed) from the engine's outputs; the
+    completions and chat routes each have a subclass."""
     object_name = ""
     chunk_object_name = ""
 
@@ -127,7 +129,7 @@ class _Renderer:
         raise NotImplementedError
 
 
-class CompletionRenderer(_Renderer):
+class CompletionRenderer(ResponseRenderer):
     object_name = chunk_object_name = "text_completion"
 
     def __init__(self, request_id: str, model: str, decode: Decode, n: int, want_logprobs: bool,
@@ -198,7 +200,7 @@ class CompletionRenderer(_Renderer):
         return body
 
 
-class ChatRenderer(_Renderer):
+class ChatRenderer(ResponseRenderer):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from pagedserve.adapters.process_exit import exit_without_teardown
 from pagedserve.adapters.kserve.guards import API_KEY_ENV
 from pagedserve.adapters.kserve.tool_calls import add_tool_call_parser_arg
-from pagedserve.core.engine_args import add_engine_args, engine_config_from_args
 from pagedserve.core.errors import PagedServeError
+from pagedserve.tools.engine_args import add_engine_args, engine_config_from_args
 
 logger = logging.getLogger(__name__)
 

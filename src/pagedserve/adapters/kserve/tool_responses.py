@@ -1,6 +1,6 @@
 """Chat responses with tool calls: engine deltas -> `message.tool_calls` / `delta.tool_calls`.
 
-Each choice's text goes through its own tool parser (tool_parsers.py); what comes back is content
+Each choice's text goes through its own tool parser (the tool_parsers package); what comes back is content
 and tool-call fragments. Streamed, a call arrives as OpenAI sends it: `{"index", "id", "type",
 "function": {"name", "arguments": ""}}` first, then `{"index", "function": {"arguments": ...}}`
 fragments; the non-streaming body joins the same fragments, so the openai SDK's stream helpers

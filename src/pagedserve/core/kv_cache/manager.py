@@ -78,6 +78,12 @@ class KVCacheManager:
         """The block with this hash in the prefix cache (held or free), or None."""
         return self._pool.get_cached_block(block_hash)
 
+    @staticmethod
+    def num_revived(hits: list[KVBlock]) -> int:
+        """How many of these prefix hits are free cached blocks: taking them uses up free blocks
+        as a fresh allocation would; hits held by running samples cost nothing."""
+        return sum(1 for block in hits if block.ref_cnt == 0)
+
     # -- per sample --------------------------------------------------------------------------------
     def _uses_cache(self, request: Request) -> bool:
         return self.enable_prefix_caching and request.use_prefix_cache

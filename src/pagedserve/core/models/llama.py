@@ -21,6 +21,7 @@ fp32, so bf16 Gemma is close, not token-exact).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -95,6 +96,10 @@ class LlamaDecoder:
         self.embed_rows = None
         if lm_head is embed and getattr(whole.kernel, "rows", None) is not None:
             self.embed_rows, self.embed = whole.kernel.rows, None
+        self.between_layers: Callable[[], None] | None = None
+        """Called after each layer: the engine's thread governor looks there too, because a step
+        slowed by a neighbour can last seconds, and it should not wait for the step's end to react
+        (core/thread_governor.py)."""
 
     @property
     def needs_rope_lengths(self) -> bool:
@@ -132,6 +137,8 @@ class LlamaDecoder:
                 x = ops.rms_norm(x, w.post_ff_norm, eps)
             if i + 1 < len(self.layers):
                 x, residual = ops.add_rms_norm(x, residual, self.layers[i + 1].input_norm, eps)
+            if self.between_layers is not None:
+                self.between_layers()
         rows = batch.logits_indices
         h = ops.rms_norm(residual[rows] + x[rows], self.norm, eps)
         if len(self.lm_head) == 1:

@@ -5,13 +5,13 @@ runs at import.
 
   pagedserve triton ...      start a real tritonserver on model_repository/ (adapters/triton_server)
   pagedserve kserve ...      start a kserve ModelServer with OpenAI routes (adapters/kserve)
-  pagedserve run-batch ...   run an OpenAI Batch file offline (adapters/kserve/batch.py)
-  pagedserve tune ...        search engine settings within a latency SLO (core/tuner.py)
+  pagedserve run-batch ...   run an OpenAI Batch file offline (tools/run_batch.py)
+  pagedserve tune ...        search engine settings within a latency SLO (tools/tuner.py)
 
-It lives with the adapters because it wires the platforms up; core imports no adapter
-(docs/design.md). Each subcommand but `generate` is a module whose `main(argv)` parses the rest of
-the command line, imported only when invoked: kserve and tritonclient.grpc cannot share a process,
-and neither should slow down the others' start.
+It is a tool (tools/): `generate` drives an LLMEngine itself, which adapters may not, and it
+wires the platforms up, which core may not (docs/design.md). Each subcommand but `generate` is a
+module whose `main(argv)` parses the rest of the command line, imported only when invoked: kserve
+and tritonclient.grpc cannot share a process, and neither should slow down the others' start.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import argparse
 import sys
 import time
 
-from pagedserve.core.engine_args import add_engine_args, engine_config_from_args
+from pagedserve.tools.engine_args import add_engine_args, engine_config_from_args
 
 DEFAULT_PROMPTS = (
     "What is a paged KV cache?",
@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
 PLATFORM_COMMANDS = {
     "triton": ("pagedserve.adapters.triton_server.launcher", "start a real tritonserver serving pagedserve"),
     "kserve": ("pagedserve.adapters.kserve.server", "start a kserve ModelServer serving pagedserve"),
-    "run-batch": ("pagedserve.adapters.kserve.batch", "run an OpenAI Batch file (JSONL) offline, resumable"),
-    "tune": ("pagedserve.core.tuner", "search engine settings for the best throughput within a TTFT/ITL SLO"),
+    "run-batch": ("pagedserve.tools.run_batch", "run an OpenAI Batch file (JSONL) offline, resumable"),
+    "tune": ("pagedserve.tools.tuner", "search engine settings for the best throughput within a TTFT/ITL SLO"),
 }
 
 

@@ -3,7 +3,7 @@
     pagedserve tune --workload FILE --ttft-p95 LIMIT [--itl-p95 LIMIT] [--arrival-rate R]
                     [--max-trials 8] [--output tuned-engine.json] [--plot tune.png] [engine flags]
 
-Each trial builds an engine with one setting, replays the workload in-process (core/replay.py) and
+Each trial builds an engine with one setting, replays the workload in-process (tools/replay.py) and
 measures output tokens/s, TTFT and ITL percentiles, KV usage and preemptions. The settings tried
 are chosen by coordinate ascent from the starting config (the flags / --engine-config, else the
 shipped defaults): along each knob (max_num_batched_tokens, max_num_seqs, scheduling_policy) step
@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.core.config import SCHEDULING_POLICIES, EngineConfig
-from pagedserve.core.engine_args import add_engine_args
-from pagedserve.core.replay import ReplayResult
+from pagedserve.tools.engine_args import add_engine_args
+from pagedserve.tools.replay import ReplayResult
 
 LADDERS: dict[str, tuple[Any, ...]] = {
     "max_num_batched_tokens": (128, 256, 512, 1024, 2048, 4096),
@@ -176,8 +176,8 @@ def plot(trials: list[Trial], best: Trial | None, slo: Slo, path: Path) -> bool:
 def make_measure(base: EngineConfig, items, warmup: bool = True) -> Callable[[dict[str, Any]], ReplayResult]:
     """A measure(settings) that builds an engine with `base` + settings and replays `items`."""
     from pagedserve.core.engine import LLMEngine
-    from pagedserve.core.replay import prompt_ids_for, replay
     from pagedserve.core.sampling_params import SamplingParams
+    from pagedserve.tools.replay import prompt_ids_for, replay
 
     prompts: list[list[int]] | None = None
 
@@ -275,9 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import logging
 
-    from pagedserve.core.engine_args import engine_config_from_args
     from pagedserve.core.errors import PagedServeError
     from pagedserve.core.workload import load_workload
+    from pagedserve.tools.engine_args import engine_config_from_args
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

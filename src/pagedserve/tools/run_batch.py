@@ -18,8 +18,8 @@ custom_id (or, for lines without one, line number) is already in the output are 
 torn last line from a killed run is cut off first. The job runs with the `throughput` scheduling
 policy unless the engine config or a flag says otherwise.
 
-This lives in the KServe adapter because it reuses the adapter's OpenAI protocol (pydantic): install
-the `kserve` extra. It serves no HTTP.
+A tool, not an adapter: it drives an LLMEngine itself and serves no HTTP. It reuses the KServe
+adapter's OpenAI protocol (pydantic), so it needs the `kserve` extra.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from typing import Any
 
 from pagedserve.adapters.kserve.errors import error_body, model_not_found, to_openai_error
 from pagedserve.adapters.kserve.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from pagedserve.adapters.kserve.responses import CompletionRenderer, _Renderer
+from pagedserve.adapters.kserve.responses import CompletionRenderer, ResponseRenderer
 from pagedserve.adapters.kserve.tool_calls import add_tool_call_parser_arg
 from pagedserve.adapters.kserve.tool_responses import chat_renderer
-from pagedserve.core.engine_args import add_engine_args, engine_config_from_args
 from pagedserve.core.validation import parse_json_object
+from pagedserve.tools.engine_args import add_engine_args, engine_config_from_args
 
 URLS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
 BATCH_DEFAULTS = {"scheduling_policy": "throughput", "scheduling_age_bound_s": 86400.0}
@@ -72,7 +72,7 @@ class Job:
     """One input line in flight: its engine requests and the renderer assembling its body."""
 
     line: BatchLine
-    renderer: _Renderer
+    renderer: ResponseRenderer
     prompt_index: dict[str, int]
     remaining: int
     """Final outputs still to come (prompts x n samples)."""
