@@ -223,7 +223,7 @@ def test_a_replica_killed_mid_run_sends_the_rest_to_the_other(cluster):
     assert httpx.get(f"{router.url}/health", timeout=10).status_code == 503
     FIGURES["kill"] = {"requests": total, "killed": victim, "killed_after": kill_after,
                        "answered": total - len(failed),
-                       "errors": [f"{r.status_code}: {r.response.text[:200]} (sent {s - killed_at:+.2f} s from the kill)"
-                                  for _i, s, _f, r in results if isinstance(r, Exception)],
+                       "errors": [f"{r.status_code}: {r.response.text[:200]} (sent {s - killed_at:+.2f} s "
+                                  "from the kill)" for _i, s, _f, r in results if isinstance(r, Exception)],
                        "answered_after_kill": ok_after_kill, "served_by_survivor": by_survivor,
                        "slowest_s": round(slowest, 2), "follow_up_cached_tokens": follow_up}
