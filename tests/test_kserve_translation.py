@@ -37,6 +37,35 @@ def test_completion_defaults_and_vllm_extras_reach_sampling_params():
     assert (echo.logprobs, echo.prompt_logprobs) == (2, 2)
 
 
+# What vllm-router 0.1.17 forwards in place of the client's body (captured from the router itself):
+# SGLang's fields at their defaults on every request, whatever the client sent.
+ROUTER_COMPLETION = {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": False, "echo": False,
+                     "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+                     "return_hidden_states": False}
+ROUTER_CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": False, "max_tokens": 4,
+               "logprobs": False, "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False,
+               "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True,
+               "return_hidden_states": False, "include_reasoning": True}
+
+
+def test_the_fields_vllm_router_adds_are_accepted_at_its_defaults_and_change_nothing():
+    plain = parse(CompletionRequest, {"model": "m", "prompt": "hi", "max_tokens": 4}).sampling_params()
+    assert parse(CompletionRequest, ROUTER_COMPLETION).sampling_params() == plain
+    plain_chat = parse(ChatCompletionRequest, {"model": "m", "messages": ROUTER_CHAT["messages"], "max_tokens": 4})
+    assert parse(ChatCompletionRequest, ROUTER_CHAT).sampling_params() == plain_chat.sampling_params()
+    # any value that asks for the missing behaviour is a 400 naming the field
+    for cls, body, field, value in ((CompletionRequest, ROUTER_COMPLETION, "no_stop_trim", True),
+                                    (CompletionRequest, ROUTER_COMPLETION, "return_hidden_states", True),
+                                    (ChatCompletionRequest, ROUTER_CHAT, "continue_final_message", True),
+                                    (ChatCompletionRequest, ROUTER_CHAT, "include_reasoning", False)):
+        with pytest.raises(OpenAIError) as err:
+            parse(cls, {**body, field: value}).sampling_params()
+        assert err.value.status == 400 and err.value.param == field and field in err.value.message
+    # separating reasoning is moot without a reasoning parser: both values accepted
+    moot = {**ROUTER_CHAT, "separate_reasoning": False, "stream_reasoning": False}
+    assert parse(ChatCompletionRequest, moot).sampling_params() == plain_chat.sampling_params()
+
+
 def test_prompt_shapes():
     def prompts(p):
         return parse(CompletionRequest, {"model": "m", "prompt": p}).prompts()
@@ -194,3 +223,7 @@ def test_openai_routes_answer_503_until_the_engine_is_warm():
     assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
     assert client.post("/openai/v1/completions", json={"model": "x", "prompt": "hi"}).status_code == 404
     assert client.get("/openai/v1/models").json()["data"][0]["id"] == "m"
+    # KServe's v1 readiness route: 503 (its client reads "not ready") until warm, 404 for another model
+    r = client.get("/v1/models/m")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+    assert client.get("/v1/models/other").status_code == 404

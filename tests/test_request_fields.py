@@ -303,7 +303,8 @@ PROBES = {
     "modalities": ["text", "audio"], "guided_whitespace_pattern": r"\s*", "prompt_logprobs": 1,
     "use_beam_search": True, "lora_name": "adapter", "response_format": {"type": "json_object"},
     "guided_json": {"type": "object"}, "guided_regex": "[0-9]+", "structured_outputs": {"regex": "[0-9]+"},
-    "cache_salt": "tenant",
+    "cache_salt": "tenant", "no_stop_trim": True, "return_hidden_states": True, "continue_final_message": True,
+    "include_reasoning": False,
 }
 FEATURES = {"structured output": "guided_regex", "guided decoding": "guided_regex", "function calling": "tools",
             "beam search": "use_beam_search", "lora": "lora_name", "stored completions": "store"}

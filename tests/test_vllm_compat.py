@@ -218,12 +218,59 @@ def test_v1_models_answers_kserve_and_openai_clients_in_one_body(kserve):
     assert body["models"] == [MODEL]  # KServe's v1 protocol
     assert body["object"] == "list" and [m["id"] for m in body["data"]] == [MODEL]  # OpenAI's
     assert httpx.get(f"{kserve.url}/v1/models", timeout=10).status_code == 401
-    # KServe's other v1 routes are kserve's own, and open as before
-    r = httpx.get(f"{kserve.url}/v1/models/{MODEL}", timeout=10)
-    assert r.status_code == 200 and r.json()["ready"] is True
+    # KServe's v1 prediction route is still kserve's own, and open as before
     r = httpx.post(f"{kserve.url}/v1/models/{MODEL}:predict", timeout=60,
                    json={"instances": ["hi"], "parameters": {"max_tokens": 2}})
     assert r.status_code == 200 and len(r.json()["predictions"]) == 1
+
+
+def test_v1_model_route_answers_kserve_readiness_and_openai_retrieve(v1, kserve):
+    """`GET /v1/models/{id}` is KServe's v1 readiness check and the SDK's models.retrieve at /v1."""
+    probe = httpx.get(f"{kserve.url}/v1/models/{MODEL}", timeout=10)  # as KServe's probe: no key
+    assert probe.status_code == 200
+    body = probe.json()
+    assert body["name"] == MODEL and body["ready"] is True  # KServe's v1 protocol
+    card = v1.models.retrieve(MODEL)  # OpenAI's
+    assert (card.id, card.object, card.owned_by) == (MODEL, "model", "pagedserve")
+    assert card.created == body["created"] and card.created > 1_600_000_000
+    assert card.model_dump(exclude={"name", "ready"}) == v1.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        v1.models.retrieve("no-such-model")
+    assert httpx.get(f"{kserve.url}/v1/models/no-such-model", timeout=10).status_code == 404
+
+
+def test_tokenize_and_detokenize_answer_as_vllms_do(v1, kserve, model_dir, tokenizer):
+    """vLLM's /tokenize (what vllm-router's cache-aware policy asks each worker for) gives the ids the
+    engine runs: the oracle is transformers' tokenizer and the prompt_tokens of the same request."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def post(path, body):
+        return httpx.post(f"{kserve.url}{path}", json=body, headers=auth, timeout=60)
+
+    r = post("/tokenize", {"model": MODEL, "prompt": TEXT})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    max_len = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    assert body == {"count": len(body["tokens"]), "max_model_len": max_len, "tokens": tokenizer(TEXT).input_ids,
+                    "token_strs": None}
+    assert body["count"] == v1.completions.create(model=MODEL, prompt=TEXT, max_tokens=1).usage.prompt_tokens
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": TEXT}]
+    chat = post("/tokenize", {"model": MODEL, "messages": messages, "continue_final_message": False}).json()
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tokenizer(rendered).input_ids
+    assert chat["count"] == v1.chat.completions.create(model=MODEL, messages=messages,
+                                                       max_tokens=1).usage.prompt_tokens
+    assert post("/detokenize", {"model": MODEL, "tokens": body["tokens"]}).json() == {
+        "prompt": tokenizer.decode(body["tokens"])}
+    # errors name what was wrong; the key guards both routes
+    assert httpx.post(f"{kserve.url}/tokenize", json={"prompt": TEXT}, timeout=10).status_code == 401
+    assert post("/tokenize", {"model": "other", "prompt": TEXT}).status_code == 404
+    r = post("/tokenize", {"prompt": TEXT, "add_special_tokens": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens"
+    r = post("/detokenize", {"tokens": [1, 10**9]})
+    assert r.status_code == 400 and "1000000000" in r.json()["error"]["message"]
+    r = post("/tokenize", {"prompt": TEXT, "unknown": 1})
+    assert r.status_code == 400 and "unknown" in r.json()["error"]["message"]
 
 
 def test_health_and_metrics_answer_without_a_key(kserve):

@@ -9,7 +9,8 @@
 * The optional API key of the OpenAI routes (vLLM's convention: `--api-key` or an environment
   variable, checked against `Authorization: Bearer <key>`): 401 without it, on /openai/v1/... and
   on the same routes under /v1 (completions, chat/completions, models; that last one is also
-  KServe's v1 model list, which then needs the key too). Health, metrics and the v1/v2 inference
+  KServe's v1 model list, which then needs the key too), and on vLLM's /tokenize and /detokenize
+  (vllm-router forwards the client's Authorization header there). Health, metrics and the v1/v2 inference
   routes stay open, as in vLLM, where only the OpenAI routes are guarded.
 * `X-Request-Timeout: <seconds>`: a request's own deadline (OpenAI's bodies have no field for
   one); past it the request ends with finish_reason "timeout".
@@ -27,6 +28,8 @@ from pagedserve.adapters.kserve.errors import OpenAIError, error_body
 OPENAI_PREFIX = "/openai/"
 OPENAI_V1_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
 """The OpenAI routes also served under /v1 (vLLM's paths): guarded and answered like /openai/v1."""
+KEYED_PATHS = OPENAI_V1_PATHS | {"/tokenize", "/detokenize"}
+"""Every path outside /openai/ the API key guards: the /v1 OpenAI routes and vLLM's tokenizer routes."""
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 TIMEOUT_HEADER = "x-request-timeout"
 DISCARD_LIMIT_BYTES = 256 * 1024**2
@@ -66,7 +69,7 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        openai = scope["path"].startswith(OPENAI_PREFIX) or scope["path"].rstrip("/") in OPENAI_V1_PATHS
+        openai = scope["path"].startswith(OPENAI_PREFIX) or scope["path"].rstrip("/") in KEYED_PATHS
         if openai and self.api_key and not self._authorized(headers):
             err = OpenAIError(401, "invalid or missing API key: send the header Authorization: Bearer <key>",
                               code="invalid_api_key")

@@ -133,8 +133,10 @@ class OpenAIServing:
             app.add_api_route(f"{prefix}/chat/completions", self.chat_completions, methods=["POST"])
             app.add_api_route(f"{prefix}/models", self.models, methods=["GET"])
         # :path, as model ids may hold slashes ("org/name"): the SDK puts them in the URL as they are.
-        # Only here: /v1/models/<name> stays KServe's v1 model-readiness route.
         app.add_api_route("/openai/v1/models/{model_id:path}", self.model, methods=["GET"])
+        # KServe's v1 readiness route, answered for both protocols (GET only: POST /v1/models/<m>:predict
+        # still reaches kserve's handler, Starlette prefers a route whose method matches too).
+        app.add_api_route("/v1/models/{model_id:path}", self.model_readiness, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
 
     def _model_card(self) -> dict[str, Any]:
@@ -145,13 +147,28 @@ class OpenAIServing:
         one body both kinds of client read, since `GET /v1/models` is each protocol's list."""
         return JSONResponse({"object": "list", "data": [self._model_card()], "models": [self.model_name]})
 
+    def _serving(self) -> bool:
+        """Ready for requests: loaded and warmed up, not draining, the engine alive."""
+        engine = self._get_engine()
+        return engine is not None and engine.is_healthy() and not engine.draining
+
     async def health(self, request: Request) -> Response:
         """vLLM's /health, which routers (vllm-router) poll before they route to a worker: 200 once
         the model has loaded and warmed up, 503 while it loads, drains or after the engine died."""
-        engine = self._get_engine()
-        if engine is None or not engine.is_healthy() or engine.draining:
-            return Response(status_code=503)
-        return Response(status_code=200)
+        return Response(status_code=200 if self._serving() else 503)
+
+    async def model_readiness(self, model_id: str) -> Response:
+        """`GET /v1/models/{id}`: KServe's v1 readiness check and OpenAI's models.retrieve at vLLM's base
+        URL, one path for both. The body carries both forms (KServe's `name`/`ready` beside OpenAI's
+        model card); statuses are KServe's: 503 while not ready (its client reads that as "not
+        ready", the openai SDK raises), 404 for another model. No API key, as for every probe."""
+        if model_id != self.model_name:
+            return error_response(model_not_found(model_id, self.model_name))
+        if not self._serving():
+            return error_response(OpenAIError(
+                503, f"model `{model_id}` is not ready: it is loading, draining or its engine stopped; "
+                     "retry when this route answers 200", type="service_unavailable_error", code="model_not_ready"))
+        return JSONResponse({**self._model_card(), "name": self.model_name, "ready": True})
 
     async def model(self, model_id: str) -> Response:
         """OpenAI's models.retrieve: the served model, or a 404 in OpenAI's error shape."""

@@ -22,6 +22,10 @@ and plan: `ChatCompletionRequest.tool_plan` and `template_messages`.
 Some OpenAI fields ask for behaviour pagedserve does not have (stored completions). Clients often
 send them at their default or no-op value (`store: false`): those are accepted and change
 nothing; any other value is a 400 naming the field (`_refuse`), never silently ignored.
+vllm-router (and sglang-router, its origin) parse every request into their own typed model and send
+it on with SGLang's fields filled in at their defaults, whatever the client sent: `no_stop_trim`,
+`return_hidden_states`, and on chat `continue_final_message`, `include_reasoning`,
+`separate_reasoning`, `stream_reasoning`. Those defaults are accepted the same way (docs/replicas.md).
 """
 
 from __future__ import annotations
@@ -133,6 +137,9 @@ class _GenerateRequest(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    # SGLang's, sent by vllm-router at their defaults: accepted only at a value that changes nothing
+    no_stop_trim: bool | None = None
+    return_hidden_states: bool | None = None
 
     @property
     def stream_usage(self) -> StreamUsage:
@@ -150,6 +157,12 @@ class _GenerateRequest(_Strict):
         if self.metadata:
             raise _refuse("metadata", "metadata tags stored completions, and pagedserve stores none; omit it "
                                       "or send null")
+        if self.no_stop_trim:
+            raise _refuse("no_stop_trim", "no_stop_trim=true is not supported; to keep the stop string in the "
+                                          "output send include_stop_str_in_output=true")
+        if self.return_hidden_states:
+            raise _refuse("return_hidden_states", "return_hidden_states=true is not supported: pagedserve returns "
+                                                  "no hidden states; omit it or send false")
 
     def engine_kwargs(self) -> dict[str, Any]:
         """What the request asks of the engine besides its SamplingParams (AsyncLLMEngine.generate's
@@ -250,6 +263,22 @@ class ChatCompletionRequest(_GenerateRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # Reasoning-parser and prefill options of vLLM and SGLang that vllm-router sends at their defaults.
+    # pagedserve has no reasoning parser: reasoning text stays in `content`, so separating or streaming
+    # it apart changes nothing, and only dropping it (include_reasoning=false) would need one.
+    continue_final_message: bool | None = None
+    include_reasoning: bool | None = None
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.continue_final_message:
+            raise _refuse("continue_final_message", "continue_final_message=true is not supported; omit it or "
+                                                    "send false")
+        if self.include_reasoning is False:
+            raise _refuse("include_reasoning", "include_reasoning=false is not supported: pagedserve has no "
+                                               "reasoning parser to tell reasoning apart; omit it or send true")
 
     def tool_plan(self, parser_name: str | None) -> ToolPlan:
         """What the tools ask for; parser_name: the server's --tool-call-parser, if any."""

@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     from pagedserve.adapters.kserve.metrics import EngineMetricsCollector
     from pagedserve.adapters.kserve.model import PagedServeModel
     from pagedserve.adapters.kserve.openai_routes import OpenAIServing
+    from pagedserve.adapters.kserve.tokenize_routes import TokenizeServing
 
     # A dead engine stops the server the way SIGTERM does (drain, exit), so the platform restarts it.
     model = PagedServeModel(args.model_name, config, version=args.model_version,
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     _patch_rest_server(args.host, model.begin_drain)
     _install_guards(model_server.app, config.limits, args.api_key or os.environ.get(API_KEY_ENV))
     OpenAIServing(args.model_name, model.warm_engine, args.tool_call_parser).register(model_server.app)
+    TokenizeServing(args.model_name, model.warm_engine).register(model_server.app)  # vllm-router's prefix routing
     REGISTRY.register(EngineMetricsCollector(model.metrics_snapshot, args.model_name, args.model_version,
                                              lambda: model.llm.model_info if model.llm is not None else None))
     # uvicorn's own graceful-shutdown timeout is a backstop a little past the drain period.
