@@ -36,12 +36,13 @@ def per_request_sizes(engine: AsyncLLMEngine) -> dict[str, int]:
         "Scheduler.requests": len(sched.requests),
         "Scheduler.waiting": len(sched.waiting),
         "Scheduler.running": len(sched.running),
+        "Scheduler._ended": len(sched._ended),
         "KVCacheManager._samples": len(inner.kv_cache_manager._samples),
         "KVCacheManager used blocks": inner.kv_cache_manager.num_used_blocks,
         "Sampler._cache": len(inner.runner.sampler._cache),
         "StructuredOutputManager._states": len(inner.structured_output._states),
         # Finished samples stay in the deadline heap until their deadline passes (or a compaction).
-        "Deadlines._heap (unfinished)": sum(not e[2].status.finished for e in inner.deadlines._heap),
+        "Deadlines._heap (unfinished)": sum(not e[2].status.finished for e in sched.deadlines._heap),
         "metric label sets": len(inner.metrics._finished) + len(inner.metrics._refused),
     }
 

@@ -21,7 +21,7 @@ from pagedserve.core.kv_cache.manager import KVCacheManager
 from pagedserve.core.kv_cache.prefix_hash import check_cache_salt
 from pagedserve.core.layers.attention import select_attention_backend
 from pagedserve.core.layers.onednn_cache import bound_onednn_caches
-from pagedserve.core.limits import Deadlines, WaitingQueueGuard, max_prompt_chars
+from pagedserve.core.limits import WaitingQueueGuard, max_prompt_chars
 from pagedserve.core.metrics import EngineMetrics
 from pagedserve.core.model_runner import ModelRunner
 from pagedserve.core.models.arch import ModelArch
@@ -32,9 +32,9 @@ from pagedserve.core.outputs import CompletionResult, RequestOutput
 from pagedserve.core.request import EngineRequest, Request, RequestStatus
 from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.core.scheduler import Scheduler, SchedulerStats
-from pagedserve.core.step_types import StepUpdate
+from pagedserve.core.step_types import RunnerOutput, StepResult
 from pagedserve.core.workload import WorkloadRecorder
-from pagedserve.core.structured_output.manager import StructuredOutputManager, StructuredStep
+from pagedserve.core.structured_output.manager import StructuredOutputManager
 from pagedserve.kernels.cpu.isa import native_bf16
 
 logger = logging.getLogger(__name__)
@@ -113,9 +113,6 @@ class LLMEngine:
             cc.kv_cache_dtype, self.dtype, self.arch.num_layers, cc.block_size, self.arch.num_kv_heads,
             self.arch.head_dim, self.model_path, layout.layers_per_block)
         self.num_kv_blocks = self._num_kv_blocks(kv_spec)
-        self.scheduler = Scheduler(config.scheduler, self.max_model_len, num_blocks=self.num_kv_blocks,
-                                   block_size=cc.block_size, enable_prefix_caching=cc.enable_prefix_caching,
-                                   layout=layout, max_chunk_tokens=self._max_chunk_tokens())
         self.runner = ModelRunner(model, self.num_kv_blocks, cc.block_size, kv_spec, layout)
         if self.threads.enabled:
             model.between_layers = self.threads.poll
@@ -129,13 +126,16 @@ class LLMEngine:
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
         """Text prompts longer than this cannot fit max_model_len: refused before tokenizing."""
         self.queue_guard = WaitingQueueGuard(config.limits, self.metrics)
-        self.deadlines = Deadlines()
         record = config.scheduler.record_workload
         self.workload_recorder = WorkloadRecorder(record) if record else None
         stop_ids = list(self.arch.eos_token_ids) or ([self.eos_token_id] if self.eos_token_id is not None else [])
         self.structured_output = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, stop_ids)
         """Grammar compilation (thread-safe: `structured_output.compiler.submit`) and per-sample grammar
-        state for constrained requests (core/structured_output)."""
+        state for constrained requests (core/structured_output); the scheduler masks and accepts."""
+        self.scheduler = Scheduler(config.scheduler, self.max_model_len, num_blocks=self.num_kv_blocks,
+                                   block_size=cc.block_size, enable_prefix_caching=cc.enable_prefix_caching,
+                                   layout=layout, max_chunk_tokens=self._max_chunk_tokens(),
+                                   structured_output=self.structured_output)
         self._publish_metrics()
         logger.info("pagedserve engine: %s on %s in %s, %d KV blocks of %d tokens; loaded in %.2fs (%s)",
                     self.model_path, self.device, self.dtype, self.num_kv_blocks, cc.block_size,
@@ -330,8 +330,7 @@ class LLMEngine:
             if compiled_grammar is not None:  # each sample walks the grammar on its own
                 self.structured_output.add(request.seq_id, compiled_grammar)
             self.output_processor.add(request, detokenize)
-            self.scheduler.add_request(request)
-            self.deadlines.add(request)
+            self.scheduler.add_request(request)  # with its deadline, if any
             samples.append(request)
         self._requests[request_id] = EngineRequest(request_id, tuple(samples))
         return request_id
@@ -361,41 +360,25 @@ class LLMEngine:
         return request_id in self._requests
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: end expired requests, schedule, run the batch, sample, apply stop rules,
-        detokenize."""
+        """One iteration: schedule (expired deadlines end first), run the batch and sample (under
+        the constrained samples' grammar masks), let the scheduler decide every finish, and turn
+        the result into outputs (docs/engine.md has the diagram)."""
         self.threads.poll()
-        outputs = self._expire_deadlines()
-        if not self.scheduler.has_unfinished_requests():  # everything left just timed out
-            self._forget_finished(outputs)
-            self._publish_metrics()
-            return outputs
         sched_out = self.scheduler.schedule()
-        grammar = self.structured_output.prepare(sched_out)  # None unless a constrained request samples
-        runner_out = self.runner.execute(sched_out, grammar.bitmask if grammar is not None else None)
-        sampled = runner_out.sampled
-        if grammar is not None:
-            sampled = self.structured_output.accept(grammar, sampled)
-        updates = self.scheduler.update_from_output(sched_out, sampled)
-        if grammar is not None:
-            self._finish_by_grammar(grammar, updates)
-        processed = self.output_processor.process(updates, runner_out)
-        for request, stop in processed.stopped:  # the output already says "stop"; free the blocks now
+        runner_out = self.runner.execute(sched_out, self.scheduler.grammar_bitmask(sched_out))
+        result = self.scheduler.update_from_output(sched_out, runner_out.sampled)
+        return self._outputs(result, runner_out)
+
+    def _outputs(self, result: StepResult, runner_out: RunnerOutput) -> list[RequestOutput]:
+        """Detokenize the step's tokens into deltas; a stop string the text completed goes back to
+        the scheduler to finish (the output already says "stop"); samples that ended without a
+        token get their final output."""
+        processed = self.output_processor.process(result.updates, runner_out)
+        for request, stop in processed.stopped:
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop)
-        outputs += processed.outputs
-        if grammar is not None:
-            for seq_id in grammar.unsatisfiable:  # no token fits the constraint: end it, say why
-                request = self.scheduler.live_sample(seq_id)
-                if request is not None and self.scheduler.finish_request(request, RequestStatus.FINISHED_UNSATISFIABLE):
-                    outputs.append(self.output_processor.final_output(request))
+        outputs = processed.outputs + [self.output_processor.final_output(r) for r in result.ended]
         self._forget_finished(outputs)
         self._publish_metrics()
-        return outputs
-
-    def _expire_deadlines(self) -> list[RequestOutput]:
-        outputs = []
-        for request in self.deadlines.pop_expired():
-            if self.scheduler.finish_request(request, RequestStatus.FINISHED_TIMEOUT):
-                outputs.append(self.output_processor.final_output(request))
         return outputs
 
     def _forget_finished(self, outputs: list[RequestOutput]) -> None:
@@ -421,18 +404,10 @@ class LLMEngine:
                 self.scheduler.finish_request(sample, RequestStatus.FINISHED_ABORTED)
             self.structured_output.forget([sample.seq_id for sample in entry.samples])
         self._requests.clear()
-        self.deadlines.clear()
         self.scheduler.reset_after_abort_all()
         self.metrics.observe_step_failure()
         self._publish_metrics()
         return request_ids
-
-    def _finish_by_grammar(self, grammar: StructuredStep, updates: list[StepUpdate]) -> None:
-        """A grammar that accepted its stop token is complete: the request stops there, even where
-        the scheduler would go on (ignore_eos, a second EOS id)."""
-        for request, _token in updates:
-            if request.seq_id in grammar.terminated:
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
 
     def _publish_metrics(self) -> None:
         self.metrics.update_from_scheduler(self.scheduler.stats)

@@ -7,7 +7,10 @@ When blocks run out, the most recently admitted running request is preempted by 
 blocks are freed and it goes back to the front of the waiting queue, keeping its output tokens.
 
 The scheduler builds and owns the KV cache manager: the engine asks it, not the manager, whether a
-request can ever fit, how much is queued, and to reset the cache after a failed step.
+request can ever fit, how much is queued, and to reset the cache after a failed step. It decides
+every finish in one place per step (update_from_output): length, EOS, stop tokens, a grammar that
+terminated or that no token can continue, an expired deadline; a stop string, which only the
+output stage can see, is handed back through finish_request, as an abort is.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from dataclasses import dataclass
 from pagedserve.core.config import SchedulerConfig
 from pagedserve.core.kv_cache.layout import KVCacheLayout
 from pagedserve.core.kv_cache.manager import KVCacheManager
+from pagedserve.core.limits import Deadlines
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduling_policy import Admission, make_policy
-from pagedserve.core.step_types import ScheduledRequest, SchedulerOutput, StepUpdate
+from pagedserve.core.step_types import ScheduledRequest, SchedulerOutput, StepResult, StepUpdate
+from pagedserve.core.structured_output.manager import GrammarBitmask, StructuredOutputManager, StructuredStep
 
 
 @dataclass(slots=True)
@@ -48,10 +53,16 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, max_model_len: int, *, num_blocks: int, block_size: int,
                  enable_prefix_caching: bool, layout: KVCacheLayout | None = None,
-                 max_chunk_tokens: int | None = None) -> None:
-        """The KV cache arguments are KVCacheManager's (core/kv_cache/manager.py)."""
+                 max_chunk_tokens: int | None = None,
+                 structured_output: StructuredOutputManager | None = None) -> None:
+        """The KV cache arguments are KVCacheManager's (core/kv_cache/manager.py).
+        structured_output: the constrained samples' grammars; their masks and accepts run here."""
         self.config = config
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, layout, max_chunk_tokens)
+        self.structured_output = structured_output
+        self.deadlines = Deadlines()
+        self._ended: list[Request] = []  # finished since the last update without a token of theirs
+        self._grammar: StructuredStep | None = None  # this step's masks, for update_from_output
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -66,6 +77,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.requests[request.seq_id] = request
         self.waiting.append(request)
+        self.deadlines.add(request)
 
     def finish_request(self, request: Request, status: RequestStatus,
                        stop_reason: str | int | None = None) -> bool:
@@ -97,14 +109,13 @@ class Scheduler:
         queued = list(itertools.islice(self.waiting, free_slots, None))
         return len(queued), sum(r.num_tokens - r.num_computed_tokens for r in queued)
 
-    def live_sample(self, seq_id: int) -> Request | None:
-        return self.requests.get(seq_id)
-
     def reset_after_abort_all(self) -> None:
         """After every request was aborted (a failed step): forget every prefix-cache entry (the
         step may have left blocks half written) and check nothing is scheduled or held."""
         if self.requests or self.waiting or self.running:
             raise RuntimeError("requests are still scheduled after aborting every request")
+        self.deadlines.clear()
+        self._ended.clear()
         self.kv.reset_prefix_cache()
         self.kv.check_invariants()
         if self.kv.num_used_blocks:
@@ -115,6 +126,10 @@ class Scheduler:
 
     # -- one iteration -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        # 0. Samples past their deadline end ("timeout") before anything is scheduled.
+        for request in self.deadlines.pop_expired():
+            if self.finish_request(request, RequestStatus.FINISHED_TIMEOUT):
+                self._ended.append(request)
         budget = self.config.max_num_batched_tokens
         num_new: dict[int, int] = {}
         """seq_id -> tokens scheduled this step."""
@@ -238,11 +253,38 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # -- after the forward pass ----------------------------------------------------------------
-    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[int, int]) -> list[StepUpdate]:
-        """Advance computed tokens, append sampled tokens, apply token-level stop rules (EOS, stop
-        token ids, length), free finished samples. Returns (sample, new token or None) for every
-        scheduled sample, in batch order. A sample that sampled but is missing from `sampled` gets
-        no token (structured output found no allowed one; the engine finishes it)."""
+    def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
+        """The token masks of this step's constrained samples, or None when none samples; their
+        grammars accept the sampled tokens in update_from_output."""
+        so = self.structured_output
+        self._grammar = so.prepare(scheduler_output) if so is not None else None
+        return self._grammar.bitmask if self._grammar is not None else None
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[int, int]) -> StepResult:
+        """Accept the constrained samples' tokens in their grammars, advance computed tokens, append
+        sampled tokens, and decide every finish of the step (EOS, stop token ids, length, a grammar
+        terminated or unsatisfiable; deadlines were decided in schedule()), freeing the blocks of
+        finished samples. `updates`: (sample, new token or None) for every scheduled sample, in
+        batch order; `ended`: the samples that finished without a token of theirs."""
+        grammar, self._grammar = self._grammar, None
+        if grammar is not None:
+            sampled = self.structured_output.accept(grammar, sampled)  # unsatisfiable ones get no token
+        updates = self._apply_tokens(scheduler_output, sampled)
+        if grammar is not None:
+            for request, _token in updates:
+                # A grammar that accepted its stop token is complete: the sample stops there, even
+                # where the token rules would go on (ignore_eos, a second EOS id).
+                if request.seq_id in grammar.terminated:
+                    self.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            for seq_id in grammar.unsatisfiable:  # no token fits the constraint: end it, say why
+                request = self.requests.get(seq_id)
+                if request is not None and self.finish_request(request, RequestStatus.FINISHED_UNSATISFIABLE):
+                    self._ended.append(request)
+        ended, self._ended = self._ended, []
+        return StepResult(updates, ended)
+
+    def _apply_tokens(self, scheduler_output: SchedulerOutput, sampled: dict[int, int]) -> list[StepUpdate]:
+        """Advance computed tokens, append sampled tokens, apply the token-level stop rules."""
         outputs: list[StepUpdate] = []
         for sched in scheduler_output.requests:
             request = self.requests[sched.seq_id]

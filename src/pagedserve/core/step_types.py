@@ -2,12 +2,15 @@
 
 Data flows one way, once per step (core/engine.py, LLMEngine.step):
 
-    Scheduler.schedule()            -> SchedulerOutput     (what to compute: frozen, self-contained)
+    Scheduler.schedule()            -> SchedulerOutput     (what to compute: frozen, self-contained;
+                                                            expired deadlines end first)
+    Scheduler.grammar_bitmask(...)  -> the constrained samples' token masks, or None
     ModelRunner.execute(...)        -> RunnerOutput        (sampled tokens, logprobs)
-    Scheduler.update_from_output()  -> list[StepUpdate]    (tokens appended, token-level stops applied)
+    Scheduler.update_from_output()  -> StepResult          (grammar accepts, tokens appended, every
+                                                            finish but a stop string's decided)
     OutputProcessor.process(...)    -> ProcessedOutputs    (deltas for the adapters, and the samples
-                                                            a stop string ended: the engine has the
-                                                            scheduler finish them)
+                                                            a stop string ended: the engine hands
+                                                            them back to the scheduler to finish)
 
 No stage imports another stage for its types, so the runner knows nothing of the output stage and
 the scheduler nothing of the runner. Samples are named by `Request.seq_id` throughout (an int unique
@@ -72,6 +75,14 @@ StepUpdate = tuple[Request, "int | None"]
 """(sample, the token it sampled) for each scheduled sample after the step, in batch order. The
 token is None when it sampled none: a prefill chunk short of the prompt's end, or structured output
 found no allowed token. A plain tuple: one is built per sample and step."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    updates: list[StepUpdate]
+    ended: list[Request]
+    """Samples the scheduler finished this step without a token of theirs (an expired deadline, a
+    grammar no token can continue): each gets a final output of its own."""
 
 
 @dataclass(frozen=True, slots=True)
