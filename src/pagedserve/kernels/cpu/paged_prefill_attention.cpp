@@ -24,7 +24,7 @@
 // keys some row of the chunk may see are gathered (from the first row's window start, rounded down
 // to a panel), a block of rows computes scores from its first row's window start (in whole panels)
 // and the softmax zeroes each row's keys before its own window start. Gemma 3's 15 local layers
-// ran torch's SDPA before: 5x this kernel's time on 4 prompts of 300 tokens.
+// ran the reference's SDPA before: 3.3x this kernel's time on 4 prompts of 300 tokens (fp32).
 
 #include <ATen/Parallel.h>
 
