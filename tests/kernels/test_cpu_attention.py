@@ -52,17 +52,22 @@ def run_both(specs, *, num_kv_heads, group, head_dim, block_size, window=None, d
 # of 48 and 64 slots are longer than a step.
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size",
                          [(3, 3, 64, 16), (2, 1, 64, 1), (1, 8, 128, 16), (4, 2, 32, 32), (2, 3, 80, 7), (2, 3, 36, 16),
-                          (2, 5, 64, 64), (1, 7, 64, 48), (2, 3, 128, 5), (1, 4, 64, 16)])
+                          (2, 5, 64, 64), (1, 7, 64, 48), (2, 3, 128, 5), (1, 4, 64, 16), (1, 4, 256, 16),
+                          (2, 3, 256, 5)])
 @pytest.mark.parametrize("specs", [DECODES, MIXED], ids=["decodes", "mixed"])
 def test_matches_dense_and_reference(specs, num_kv_heads, group, head_dim, block_size):
     out, ref = run_both(specs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, block_size=block_size)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+# head_dim 256, one KV head for 4 query heads: Gemma 3 270M's shape (its vector path takes one
+# query head per pass).
 @pytest.mark.parametrize("window", [1, 7, 16, 50, 4096])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_sliding_window(window, block_size):
-    run_both(DECODES + MIXED, num_kv_heads=2, group=3, head_dim=64, block_size=block_size, window=window)
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(2, 3, 64), (1, 4, 256)])
+def test_sliding_window(window, block_size, num_kv_heads, group, head_dim):
+    run_both(DECODES + MIXED, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, block_size=block_size,
+             window=window)
 
 
 CACHE_CASES = [(torch.bfloat16, False)] + [(d, static) for d in QUANT_KV_DTYPES for static in (False, True)]
@@ -72,7 +77,7 @@ CACHE_CASES = [(torch.bfloat16, False)] + [(d, static) for d in QUANT_KV_DTYPES 
                          ids=[f"{d}-{'static' if s else 'dynamic'}" for d, s in CACHE_CASES])
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,window",
                          [(3, 3, 64, 16, None), (2, 1, 64, 1, 50), (1, 8, 128, 16, None), (1, 5, 64, 64, None),
-                          (2, 3, 128, 48, 70)])
+                          (2, 3, 128, 48, 70), (1, 4, 256, 16, 30)])
 def test_reads_bf16_and_quantized_caches_in_place(cache_dtype, static, num_kv_heads, group, head_dim, block_size,
                                                    window):
     # Queries and the oracle's K/V are the exact values the cache holds (dequantized codes); unused
@@ -158,6 +163,41 @@ def test_bf16_queries_run_through_the_kernel(specs, cache_dtype, monkeypatch):
                          ids=["prompt", "chunks", "mixed"])
 def test_prefill_rows_run_through_the_prefill_kernel(specs, num_kv_heads, group, head_dim, block_size, threads,
                                                      dtype, isa, monkeypatch):
+    calls, entry = route_prefill_rows_to_the_kernel(isa, dtype, monkeypatch)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, ref = run_both(specs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, block_size=block_size,
+                            dtype=dtype)
+    finally:
+        torch.set_num_threads(before)
+    assert calls and set(calls) == {entry}
+    tolerance = 2e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out, ref, atol=tolerance, rtol=tolerance)
+
+
+# Sliding windows in the prefill kernel: a row at position p sees keys (p - window, p]. Windows of
+# 1 key, shorter and longer than a 32-key panel and than a 12-row block, 512 (Gemma 3); whole prompts
+# longer than the window, chunks after a prefix longer than the window (so its oldest keys are not
+# gathered), chunks that start inside it; Gemma 3's shape and a GQA one with odd blocks.
+@pytest.mark.parametrize("isa,dtype", [("avx512", torch.float32), ("avx512", torch.bfloat16), ("avx2", torch.float32)])
+@pytest.mark.parametrize("window", [1, 7, 33, 100, 512])
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size", [(1, 4, 256, 16), (2, 3, 64, 7)])
+@pytest.mark.parametrize("specs", [[(0, 700)], [(600, 300), (0, 13), (40, 1), (90, 70), (7, 2)]],
+                         ids=["prompt", "chunks"])
+def test_prefill_kernel_sliding_windows(specs, num_kv_heads, group, head_dim, block_size, window, dtype, isa,
+                                        monkeypatch):
+    calls, entry = route_prefill_rows_to_the_kernel(isa, dtype, monkeypatch)
+    out, ref = run_both(specs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, block_size=block_size,
+                        dtype=dtype, window=window)
+    assert calls and set(calls) == {entry}
+    tolerance = 2e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out, ref, atol=tolerance, rtol=tolerance)
+
+
+def route_prefill_rows_to_the_kernel(isa: str, dtype: torch.dtype, monkeypatch) -> tuple[list[str], str]:
+    """Prefill rows through the prefill kernel's `isa` entry, the reference SDPA refused; returns the
+    list its calls are recorded in and the entry's name (skips where the CPU cannot run it)."""
     if isa == "avx512" and not avx512_available():
         pytest.skip("this CPU has no AVX-512")
     if isa == "avx2":
@@ -177,16 +217,7 @@ def test_prefill_rows_run_through_the_prefill_kernel(specs, num_kv_heads, group,
         raise AssertionError("prefill rows fell back to the reference SDPA")
 
     monkeypatch.setattr(cpu.attention, "prefill_attention", refuse)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out, ref = run_both(specs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, block_size=block_size,
-                            dtype=dtype)
-    finally:
-        torch.set_num_threads(before)
-    assert calls and set(calls) == {entry}
-    tolerance = 2e-5 if dtype == torch.float32 else 8e-3
-    torch.testing.assert_close(out, ref, atol=tolerance, rtol=tolerance)
+    return calls, entry
 
 
 def test_bf16_prefill_rows_take_sdpa_where_bf16_is_native(monkeypatch):
@@ -194,9 +225,9 @@ def test_bf16_prefill_rows_take_sdpa_where_bf16_is_native(monkeypatch):
     monkeypatch.setattr(cpu.attention, "bf16_fp32_math_available", lambda: True)
     kernel_for = cpu.attention._prefill_kernel
     bf16 = torch.empty(2, 3, 64, dtype=torch.bfloat16)
-    assert kernel_for(bf16, bf16, None) == "paged_prefill_attention"  # fp32 math on AVX-512, as patched
+    assert kernel_for(bf16, bf16) == "paged_prefill_attention"  # fp32 math on AVX-512, as patched
     monkeypatch.setattr(cpu.attention, "bf16_fp32_math_available", lambda: False)
-    assert kernel_for(bf16, bf16, None) is None
+    assert kernel_for(bf16, bf16) is None
     calls = []
     real = cpu.attention.prefill_attention
     monkeypatch.setattr(cpu.attention, "prefill_attention", lambda *a: calls.append(a[-1]) or real(*a))

@@ -2,15 +2,16 @@
 kernel (fp32 math, AVX-512 or AVX2) or the reference's SDPA.
 
 The C++ kernel (paged_decode_attention.cpp) covers the hot case: one query row per sequence, with
-or without a sliding window, reading fp32, bf16, int8 or fp8 caches in place (dequantizing with
-the same per-slot or static scales as the reference). It computes in fp32 and takes fp32 or bf16
-queries (bf16: the engine's dtype on AMX / AVX512-BF16 hosts), rounding its bf16 rows once at the
-end, which is what the reference does around its fp32 SDPA. Prefill chunks without a sliding
-window over fp32 caches (AVX-512, or AVX2 with FMA), and over bf16 caches on AVX-512 CPUs without
-bf16 dot products, go through paged_prefill_attention.cpp (two GEMMs and an exact softmax per
-block of query rows, fp32 math); the others keep the reference's SDPA. fp16 queries or caches keep
-the reference path entirely, and so do softcapped scores (Gemma 2; the C++ kernels have no softcap
-yet). The contract is the reference's (kernels/reference/attention.py).
+or without a sliding window (vector code at head_dim 64, 128 and 256), reading fp32, bf16, int8 or
+fp8 caches in place (dequantizing with the same per-slot or static scales as the reference). It
+computes in fp32 and takes fp32 or bf16 queries (bf16: the engine's dtype on AMX / AVX512-BF16
+hosts), rounding its bf16 rows once at the end, which is what the reference does around its fp32
+SDPA. Prefill chunks, with or without a sliding window, over fp32 caches (AVX-512, or AVX2 with
+FMA), and over bf16 caches on AVX-512 CPUs without bf16 dot products, go through
+paged_prefill_attention.cpp (two GEMMs and an exact softmax per block of query rows, fp32 math);
+the others keep the reference's SDPA. fp16 queries or caches keep the reference path entirely, and
+so do softcapped scores (Gemma 2; the C++ kernels have no softcap yet). The contract is the
+reference's (kernels/reference/attention.py).
 """
 
 from __future__ import annotations
@@ -62,11 +63,11 @@ def _checked_args(query, key_cache, value_cache, block_table, query_start_loc, s
     return value
 
 
-def _prefill_kernel(query: Tensor, key_cache: Tensor, sliding_window: int | None) -> str | None:
+def _prefill_kernel(query: Tensor, key_cache: Tensor) -> str | None:
     """The extension's entry point for these prefill rows, or None for the SDPA: fp32 on AVX-512 or
     AVX2, bf16 on AVX-512 where the CPU has no bf16 dot products (with them, torch's bf16 SDPA is
     the faster: 2.5-3x its fp32 on AMX)."""
-    if sliding_window is not None or query.shape[-1] % 32 or query.dtype != key_cache.dtype:
+    if query.shape[-1] % 32 or query.dtype != key_cache.dtype:
         return None
     if query.dtype == torch.float32 and avx512_available():
         return "paged_prefill_attention"
@@ -127,10 +128,10 @@ def paged_attention(
     # runs (2-3x torch's CPU flash attention in fp32 on AVX-512). Otherwise the reference's SDPA, in
     # bf16 where the queries and the cache are bf16 (CPU flash attention accumulates in fp32, as
     # Hugging Face's bf16 SDPA does; measured 2.5-3x faster than fp32 on AMX).
-    kernel = _prefill_kernel(query, key_cache, sliding_window)
+    kernel = _prefill_kernel(query, key_cache)
     if kernel is not None:
         getattr(load_extension(), kernel)(out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                                          float(scale))
+                                          float(scale), sliding_window or 0)
         return out
     both_bf16 = query.dtype == key_cache.dtype == torch.bfloat16
     prefill_attention(query, key_cache, value_cache, block_table, starts, lens, q_lens, mode, scale,

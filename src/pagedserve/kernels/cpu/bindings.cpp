@@ -12,13 +12,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Make paged_decode_attention and silu_and_mul take their AVX2 builds wherever they run (tests); returns the "
         "previous setting.", py::arg("force"));
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "Prefill rows (q_len > 1) of a packed varlen batch attending causally over an fp32 or bf16 paged KV cache (query of the same dtype).",
+        "Prefill rows (q_len > 1) of a packed varlen batch attending causally over an fp32 or bf16 paged KV cache (query of the same dtype); "
+        "sliding_window > 0: a row at position p sees keys (p - sliding_window, p].",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
-        py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"));
+        py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0);
   m.def("paged_prefill_attention_avx2", &paged_prefill_attention_avx2,
         "paged_prefill_attention on AVX2 with FMA (ymm blocks, the same sums).", py::arg("out"), py::arg("query"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"), py::arg("query_start_loc"),
-        py::arg("seq_lens"), py::arg("scale"));
+        py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0);
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = weight * rms_norm(residual), in place.",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("rms_norm", &rms_norm, "weight * rms_norm(x) as a new tensor.", py::arg("x"), py::arg("weight"), py::arg("eps"));

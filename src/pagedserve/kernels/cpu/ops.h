@@ -25,10 +25,11 @@ bool force_avx2_vector_code(bool force);
 // paged_prefill_attention.cpp
 void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                              torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_start_loc,
-                             torch::Tensor seq_lens, double scale);
+                             torch::Tensor seq_lens, double scale, int64_t sliding_window);
 void paged_prefill_attention_avx2(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                                   torch::Tensor value_cache, torch::Tensor block_table,
-                                  torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale);
+                                  torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
+                                  int64_t sliding_window);
 
 // fused_ops.cpp
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);

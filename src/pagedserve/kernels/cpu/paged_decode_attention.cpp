@@ -292,15 +292,15 @@ PAGEDSERVE_INLINE void attend_heads(const float* q, const void* kr, const void* 
 
 // head_dim = 32 * NP. fp32 and bf16 caches are read in place, kChunk positions (across blocks)
 // at a time, the next chunk prefetched; int8/fp8 are widened one block at a time into `tmp`.
-// Query heads are taken in passes of up to 4 (2 at head_dim 128) per KV head, so the passes'
-// accumulators fit in registers.
+// Query heads are taken in passes of up to 4 (2 at head_dim 128, 1 at 256) per KV head, so the
+// passes' accumulators fit in registers (at 256, one head's are already 16 of the 32 zmm).
 template <int64_t Kind, int64_t NP, class V>
 PAGEDSERVE_INLINE void attend_vec(const float* q, const Source& k, const Source& v, const int32_t* blocks,
                                   int64_t first, int64_t last, const Geometry& g, float scale, float* scores,
                                   float* tmp, Partial st) {
   constexpr bool kInPlace = Kind == kFloat32 || Kind == kBFloat16;
   constexpr int64_t kLoad = kInPlace ? Kind : kFloat32;  // widened codes are fp32
-  constexpr int64_t kMaxPass = NP == 2 ? 4 : 2;
+  constexpr int64_t kMaxPass = NP == 2 ? 4 : NP == 4 ? 2 : 1;
   const int64_t B = g.block_size, R = g.row, D = 32 * NP;
   // Row offsets (in values) of a chunk's positions; in-place caches also know the next chunk's,
   // which attend_heads prefetches a few lines per position while it works on this one.
@@ -372,7 +372,11 @@ PAGEDSERVE_ATTEND_ENTRY(PAGEDSERVE_MULTIVERSION, attend_any_fp8, attend_any<kFp8
   PAGEDSERVE_ATTEND_ENTRY(ATTRS, attend128_fp32##SUFFIX, attend_vec<kFloat32 PAGEDSERVE_COMMA 4 PAGEDSERVE_COMMA V>)  \
   PAGEDSERVE_ATTEND_ENTRY(ATTRS, attend128_bf16##SUFFIX, attend_vec<kBFloat16 PAGEDSERVE_COMMA 4 PAGEDSERVE_COMMA V>) \
   PAGEDSERVE_ATTEND_ENTRY(ATTRS, attend128_int8##SUFFIX, attend_vec<kInt8 PAGEDSERVE_COMMA 4 PAGEDSERVE_COMMA V>)     \
-  PAGEDSERVE_ATTEND_ENTRY(ATTRS, attend128_fp8##SUFFIX, attend_vec<kFp8 PAGEDSERVE_COMMA 4 PAGEDSERVE_COMMA V>)
+  PAGEDSERVE_ATTEND_ENTRY(ATTRS, attend128_fp8##SUFFIX, attend_vec<kFp8 PAGEDSERVE_COMMA 4 PAGEDSERVE_COMMA V>)        \
+  PAGEDSERVE_ATTEND_ENTRY(ATTRS, attend256_fp32##SUFFIX, attend_vec<kFloat32 PAGEDSERVE_COMMA 8 PAGEDSERVE_COMMA V>)  \
+  PAGEDSERVE_ATTEND_ENTRY(ATTRS, attend256_bf16##SUFFIX, attend_vec<kBFloat16 PAGEDSERVE_COMMA 8 PAGEDSERVE_COMMA V>) \
+  PAGEDSERVE_ATTEND_ENTRY(ATTRS, attend256_int8##SUFFIX, attend_vec<kInt8 PAGEDSERVE_COMMA 8 PAGEDSERVE_COMMA V>)     \
+  PAGEDSERVE_ATTEND_ENTRY(ATTRS, attend256_fp8##SUFFIX, attend_vec<kFp8 PAGEDSERVE_COMMA 8 PAGEDSERVE_COMMA V>)
 #ifdef PAGEDSERVE_HAVE_F8X2
 PAGEDSERVE_VECTOR_ENTRIES(__attribute__((target_clones("arch=x86-64-v4", "default"))), , v16sf)
 PAGEDSERVE_VECTOR_ENTRIES(__attribute__((target("arch=x86-64-v3"))), _avx2, F8x2)
@@ -536,18 +540,20 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   const std::vector<int64_t> bounds = balance(items, threads);
 
   const Geometry g{block_size, num_kv_heads, num_heads / num_kv_heads, head_dim, num_kv_heads * head_dim};
-  static const AttendFn kernels[3][4] = {{attend_any_fp32, attend_any_bf16, attend_any_int8, attend_any_fp8},
+  static const AttendFn kernels[4][4] = {{attend_any_fp32, attend_any_bf16, attend_any_int8, attend_any_fp8},
                                          {attend64_fp32, attend64_bf16, attend64_int8, attend64_fp8},
-                                         {attend128_fp32, attend128_bf16, attend128_int8, attend128_fp8}};
+                                         {attend128_fp32, attend128_bf16, attend128_int8, attend128_fp8},
+                                         {attend256_fp32, attend256_bf16, attend256_int8, attend256_fp8}};
 #ifdef PAGEDSERVE_HAVE_F8X2
-  static const AttendFn avx2_kernels[3][4] = {
+  static const AttendFn avx2_kernels[4][4] = {
       {attend_any_fp32, attend_any_bf16, attend_any_int8, attend_any_fp8},
       {attend64_fp32_avx2, attend64_bf16_avx2, attend64_int8_avx2, attend64_fp8_avx2},
-      {attend128_fp32_avx2, attend128_bf16_avx2, attend128_int8_avx2, attend128_fp8_avx2}};
+      {attend128_fp32_avx2, attend128_bf16_avx2, attend128_int8_avx2, attend128_fp8_avx2},
+      {attend256_fp32_avx2, attend256_bf16_avx2, attend256_int8_avx2, attend256_fp8_avx2}};
 #else
-  static const AttendFn(&avx2_kernels)[3][4] = kernels;
+  static const AttendFn(&avx2_kernels)[4][4] = kernels;
 #endif
-  const int64_t variant = head_dim == 64 ? 1 : head_dim == 128 ? 2 : 0;
+  const int64_t variant = head_dim == 64 ? 1 : head_dim == 128 ? 2 : head_dim == 256 ? 3 : 0;
   const AttendFn attend = (avx2_vector_entries() ? avx2_kernels : kernels)[variant][kind];
   // The vector kernels over bf16 caches keep q and the accumulators in load32's lane order.
   const bool lane_order = variant != 0 && kind == kBFloat16;
