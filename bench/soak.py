@@ -55,6 +55,7 @@ import random
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -90,6 +91,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@dataclass
+class Track:
+    """How far one request got, so a hung one can be told apart: never answered, answered and then
+    silent, or still streaming (slow, not hung)."""
+
+    kind: str
+    started: float
+    status: int | None = None
+    deltas: int = 0
+    last_progress: float = 0.0
+    """time.monotonic() of the last thing the server sent (headers or a delta)."""
+    completion_id: str | None = None
+    finish: str | None = None
+
+    def describe(self, began: float) -> str:
+        now = time.monotonic()
+        return (f"{self.kind} sent at {self.started - began:.1f} s: status {self.status}, {self.deltas} deltas, "
+                f"last progress {now - self.last_progress:.1f} s ago, finish {self.finish}, id {self.completion_id}")
+
+
+async def sse_lines(resp: httpx.Response):
+    """The lines of an event stream, split where SSE splits them: at CR, LF or CRLF only.
+    httpx's aiter_lines splits like str.splitlines, also at U+0085, U+2028 and U+2029, which JSON
+    leaves unescaped inside a string: a random model's text holding one cut an event in two."""
+    pending = b""
+    async for chunk in resp.aiter_bytes():
+        pending += chunk
+        *lines, pending = pending.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        for line in lines:
+            yield line.decode()
+    if pending:
+        yield pending.decode()
+
+
 class Soak:
     def __init__(self, url: str, args: argparse.Namespace, count_tokens) -> None:
         self.url, self.args, self.count_tokens = url, args, count_tokens
@@ -97,6 +132,9 @@ class Soak:
         self.errors: Counter = Counter()
         self.ttft: list[float] = []
         self.itl: list[float] = []
+        self.hung: list[str] = []
+        """What each request that hung had seen (Track.describe)."""
+        self.began = time.monotonic()
 
     # -- one request ---------------------------------------------------------------------------
     def _prompt(self, rng: random.Random) -> str:
@@ -110,16 +148,18 @@ class Soak:
             n //= 2
 
     async def _stream(self, client: httpx.AsyncClient, body: dict, headers: dict | None = None,
-                      drop_after: int | None = None) -> None:
+                      drop_after: int | None = None, track: Track | None = None) -> None:
         sent = time.monotonic()
+        track = track or Track("stream", sent)
         last, finish = None, None
         async with client.stream("POST", f"{self.url}/openai/v1/completions", json={**body, "stream": True},
                                  headers=headers) as resp:
+            track.status, track.last_progress = resp.status_code, time.monotonic()
             if resp.status_code != 200:
                 await resp.aread()
                 return self._status(resp)
             deltas = 0
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
@@ -130,6 +170,8 @@ class Soak:
                 (self.ttft if last is None else self.itl).append(now - (sent if last is None else last))
                 last, deltas = now, deltas + 1
                 finish = chunk["choices"][0]["finish_reason"] or finish
+                track.deltas, track.last_progress, track.finish = deltas, now, finish
+                track.completion_id = chunk.get("id")
                 if drop_after is not None and deltas >= drop_after:
                     self.counts["cancelled"] += 1
                     return  # leaving the block closes the connection: the server aborts the request
@@ -178,18 +220,29 @@ class Soak:
         body = {"model": MODEL_NAME, "prompt": self._prompt(rng), "max_tokens": rng.randint(1, 64),
                 "temperature": rng.choice([0.0, 0.8])}
         kind = rng.choices(["stream", "whole", "cancel", "deadline", "malformed"], [50, 10, 15, 10, 15])[0]
-        coro = {"stream": lambda: self._stream(client, body),
+        track = Track(kind, time.monotonic())
+        malformed = rng.choice(MALFORMED) if kind == "malformed" else None
+        if malformed:
+            track.kind = f"malformed:{malformed}"
+        coro = {"stream": lambda: self._stream(client, body, track=track),
                 "whole": lambda: self._whole(client, body),
-                "cancel": lambda: self._stream(client, {**body, "max_tokens": 64}, drop_after=rng.randint(1, 8)),
+                "cancel": lambda: self._stream(client, {**body, "max_tokens": 64}, drop_after=rng.randint(1, 8),
+                                               track=track),
                 "deadline": lambda: self._stream(client, {**body, "max_tokens": 64},
-                                                 headers={"X-Request-Timeout": f"{rng.uniform(0.05, 1.0):.2f}"}),
-                "malformed": lambda: self._malformed(client, rng.choice(MALFORMED))}[kind]
+                                                 headers={"X-Request-Timeout": f"{rng.uniform(0.05, 1.0):.2f}"},
+                                                 track=track),
+                "malformed": lambda: self._malformed(client, malformed)}[kind]
         try:
             await asyncio.wait_for(coro(), self.args.request_limit)
         except asyncio.TimeoutError:
             self.errors["hung"] += 1
+            self.hung.append(track.describe(self.began))
+            print(f"[soak] hung: {self.hung[-1]}", flush=True)
         except httpx.HTTPError as exc:
             self.errors[f"transport:{type(exc).__name__}"] += 1
+        except Exception as exc:  # noqa: BLE001 - a bad answer is counted, not the end of the soak
+            self.errors[f"client:{type(exc).__name__}"] += 1
+            print(f"[soak] {track.kind}: {exc!r}", flush=True)
 
     # -- load ----------------------------------------------------------------------------------
     async def client_loop(self, seed: int, until: float) -> None:
@@ -213,7 +266,7 @@ class Soak:
         return sum(self.counts.values()) + sum(self.errors.values())
 
     async def run(self, rss: RssSampler) -> Counter:
-        start = time.monotonic()
+        start = self.began = time.monotonic()
         until = start + self.args.duration
         clients = [self.client_loop(self.args.seed * 1000 + i, until) for i in range(self.args.concurrency)]
         burst = asyncio.ensure_future(self.burst(start + self.args.duration / 2))
@@ -297,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[soak] engine: {snap.get('pagedserve:engine_step_failures_total', 0):.0f} step failures; "
           f"server alive at the end: {alive}")
     print(f"[soak] leaked KV blocks: {leaked}; hung requests: {soak.errors['hung']}")
+    for line in soak.hung:
+        print(f"[soak]   hung: {line}")
     trend = trend_after_warmup(rss.samples, args.warmup_requests)
     print(f"[soak] RSS MiB by requests answered: {trace(rss.samples)}")
     if trend is None:
