@@ -133,7 +133,8 @@ class Soak:
         self.ttft: list[float] = []
         self.itl: list[float] = []
         self.hung: list[str] = []
-        """What each request that hung had seen (Track.describe)."""
+        """What each request that hung had seen (Track.describe), and then how it ended."""
+        self.late: list[asyncio.Task] = []
         self.began = time.monotonic()
 
     # -- one request ---------------------------------------------------------------------------
@@ -177,8 +178,9 @@ class Soak:
                     return  # leaving the block closes the connection: the server aborts the request
         self.counts["timed_out" if finish == "timeout" else "served"] += 1
 
-    async def _whole(self, client: httpx.AsyncClient, body: dict) -> None:
+    async def _whole(self, client: httpx.AsyncClient, body: dict, track: Track) -> None:
         resp = await client.post(f"{self.url}/openai/v1/completions", json=body)
+        track.status, track.last_progress = resp.status_code, time.monotonic()
         if resp.status_code != 200:
             return self._status(resp)
         self.counts["served"] += 1
@@ -225,24 +227,38 @@ class Soak:
         if malformed:
             track.kind = f"malformed:{malformed}"
         coro = {"stream": lambda: self._stream(client, body, track=track),
-                "whole": lambda: self._whole(client, body),
+                "whole": lambda: self._whole(client, body, track),
                 "cancel": lambda: self._stream(client, {**body, "max_tokens": 64}, drop_after=rng.randint(1, 8),
                                                track=track),
                 "deadline": lambda: self._stream(client, {**body, "max_tokens": 64},
                                                  headers={"X-Request-Timeout": f"{rng.uniform(0.05, 1.0):.2f}"},
                                                  track=track),
                 "malformed": lambda: self._malformed(client, malformed)}[kind]
+        task = asyncio.ensure_future(coro())
         try:
-            await asyncio.wait_for(coro(), self.args.request_limit)
-        except asyncio.TimeoutError:
-            self.errors["hung"] += 1
-            self.hung.append(track.describe(self.began))
-            print(f"[soak] hung: {self.hung[-1]}", flush=True)
+            done, _ = await asyncio.wait({task}, timeout=self.args.request_limit)
+            if not done:  # hung: say how far it got, and whether it ends at all (slow, or stuck)
+                self.errors["hung"] += 1
+                self.hung.append(track.describe(self.began))
+                print(f"[soak] hung: {self.hung[-1]}", flush=True)
+                self.late.append(asyncio.ensure_future(self._late(task, track)))
+                return
+            task.result()
         except httpx.HTTPError as exc:
             self.errors[f"transport:{type(exc).__name__}"] += 1
         except Exception as exc:  # noqa: BLE001 - a bad answer is counted, not the end of the soak
             self.errors[f"client:{type(exc).__name__}"] += 1
             print(f"[soak] {track.kind}: {exc!r}", flush=True)
+
+    async def _late(self, task: asyncio.Task, track: Track) -> None:
+        """Wait up to another request limit for a hung request, and say whether it ended."""
+        done, _ = await asyncio.wait({task}, timeout=self.args.request_limit)
+        outcome = "still no answer; cancelled" if not done else (
+            f"answered late: {task.exception()!r}" if task.exception() else "answered late")
+        if not done:
+            task.cancel()
+        self.hung.append(f"  -> {outcome} ({track.describe(self.began)})")
+        print(f"[soak] hung, {outcome}: {track.describe(self.began)}", flush=True)
 
     # -- load ----------------------------------------------------------------------------------
     async def client_loop(self, seed: int, until: float) -> None:
@@ -273,6 +289,7 @@ class Soak:
         sampler = asyncio.ensure_future(rss.run(until))
         await asyncio.gather(*clients)
         await sampler
+        await asyncio.gather(*self.late)
         return await burst
 
 
