@@ -264,8 +264,12 @@ class Soak:
     async def client_loop(self, seed: int, until: float) -> None:
         rng = random.Random(seed)
         async with httpx.AsyncClient(timeout=None) as client:
+            first_late = len(self.late)
             while time.monotonic() < until:
                 await self.one(client, rng)
+            # Closing the client closes the connections of its hung requests still followed: wait
+            # for them first (a closed connection reads as ReadError, not as the server's answer).
+            await asyncio.gather(*self.late[first_late:])
 
     async def burst(self, at: float) -> Counter:
         await asyncio.sleep(max(at - time.monotonic(), 0))
