@@ -197,6 +197,11 @@ class TritonServer:
         if self.shutdown_notice is not None and self.process.poll() is None:
             self.shutdown_notice.touch()
         stop_process_group(self.process, signal.SIGINT, timeout, kill_timeout=5, grace=0.0)
+        self.cleanup()
+
+    def cleanup(self) -> None:
+        """Remove the server's /dev/shm regions and its backend directory (its processes are ended
+        or SIGKILLed: a region still mapped by a dying stub goes once the stub is gone)."""
         for region in glob.glob(f"/dev/shm/{self.shm_prefix}*"):
             try:
                 os.unlink(region)
@@ -351,7 +356,10 @@ pagedserve is serving on tritonserver (Ctrl-C stops it):
         return 1
     drain_timeout = longest_drain_timeout(Path(args.model_repository), args.load_model)
     code, ended_here = _wait_for_exit(server, forwarder, drain_timeout)
-    server.stop()
+    if ended_here:  # its whole session got SIGKILL: nothing to wait for (a loaded host takes seconds to reap it)
+        server.cleanup()
+    else:
+        server.stop()
     if not forwarder.received:
         return code  # it exited unasked: its own status
     if ended_here or code == 0:
