@@ -22,7 +22,9 @@ the ones past the queue bound must be refused at once (429), not queued.
 
 At the end it waits for the server to go idle and prints: requests served, refused (429/503),
 cancelled, timed out, errors by kind, leaked KV blocks (kv_cache_usage_perc x the pool; must be
-0), requests that hung (no answer within --request-limit; must be 0), the server's RSS (below),
+0), requests that hung (no answer within --request-limit; must be 0; each is printed with how far
+it got, then followed for another limit and reported "answered late" (slow: a starved host) or
+"still no answer" (stuck)), the server's RSS (below),
 p50/p99 TTFT and inter-token latency seen by the clients. Exit status 1 if anything leaked or
 hung, RSS grew after warm-up, or a request got an answer it should not have.
 
