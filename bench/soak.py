@@ -22,7 +22,9 @@ the ones past the queue bound must be refused at once (429), not queued.
 
 At the end it waits for the server to go idle and prints: requests served, refused (429/503),
 cancelled, timed out, errors by kind, leaked KV blocks (kv_cache_usage_perc x the pool; must be
-0), requests that hung (no answer within --request-limit; must be 0), the server's RSS (below),
+0), requests that hung (no answer within --request-limit; must be 0; each is printed with how far
+it got, then followed for another limit and reported "answered late" (slow: a starved host) or
+"still no answer" (stuck)), the server's RSS (below),
 p50/p99 TTFT and inter-token latency seen by the clients. Exit status 1 if anything leaked or
 hung, RSS grew after warm-up, or a request got an answer it should not have.
 
@@ -55,6 +57,7 @@ import random
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -90,6 +93,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@dataclass
+class Track:
+    """How far one request got, so a hung one can be told apart: never answered, answered and then
+    silent, or still streaming (slow, not hung)."""
+
+    kind: str
+    started: float
+    status: int | None = None
+    deltas: int = 0
+    last_progress: float = 0.0
+    """time.monotonic() of the last thing the server sent (headers or a delta)."""
+    completion_id: str | None = None
+    finish: str | None = None
+
+    def describe(self, began: float) -> str:
+        now = time.monotonic()
+        return (f"{self.kind} sent at {self.started - began:.1f} s: status {self.status}, {self.deltas} deltas, "
+                f"last progress {now - self.last_progress:.1f} s ago, finish {self.finish}, id {self.completion_id}")
+
+
+async def sse_lines(resp: httpx.Response):
+    """The lines of an event stream, split where SSE splits them: at CR, LF or CRLF only.
+    httpx's aiter_lines splits like str.splitlines, also at U+0085, U+2028 and U+2029, which JSON
+    leaves unescaped inside a string: a random model's text holding one cut an event in two."""
+    pending = b""
+    async for chunk in resp.aiter_bytes():
+        pending += chunk
+        *lines, pending = pending.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        for line in lines:
+            yield line.decode()
+    if pending:
+        yield pending.decode()
+
+
 class Soak:
     def __init__(self, url: str, args: argparse.Namespace, count_tokens) -> None:
         self.url, self.args, self.count_tokens = url, args, count_tokens
@@ -97,6 +134,10 @@ class Soak:
         self.errors: Counter = Counter()
         self.ttft: list[float] = []
         self.itl: list[float] = []
+        self.hung: list[str] = []
+        """What each request that hung had seen (Track.describe), and then how it ended."""
+        self.late: list[asyncio.Task] = []
+        self.began = time.monotonic()
 
     # -- one request ---------------------------------------------------------------------------
     def _prompt(self, rng: random.Random) -> str:
@@ -110,16 +151,18 @@ class Soak:
             n //= 2
 
     async def _stream(self, client: httpx.AsyncClient, body: dict, headers: dict | None = None,
-                      drop_after: int | None = None) -> None:
+                      drop_after: int | None = None, track: Track | None = None) -> None:
         sent = time.monotonic()
+        track = track or Track("stream", sent)
         last, finish = None, None
         async with client.stream("POST", f"{self.url}/openai/v1/completions", json={**body, "stream": True},
                                  headers=headers) as resp:
+            track.status, track.last_progress = resp.status_code, time.monotonic()
             if resp.status_code != 200:
                 await resp.aread()
                 return self._status(resp)
             deltas = 0
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
@@ -130,13 +173,16 @@ class Soak:
                 (self.ttft if last is None else self.itl).append(now - (sent if last is None else last))
                 last, deltas = now, deltas + 1
                 finish = chunk["choices"][0]["finish_reason"] or finish
+                track.deltas, track.last_progress, track.finish = deltas, now, finish
+                track.completion_id = chunk.get("id")
                 if drop_after is not None and deltas >= drop_after:
                     self.counts["cancelled"] += 1
                     return  # leaving the block closes the connection: the server aborts the request
         self.counts["timed_out" if finish == "timeout" else "served"] += 1
 
-    async def _whole(self, client: httpx.AsyncClient, body: dict) -> None:
+    async def _whole(self, client: httpx.AsyncClient, body: dict, track: Track) -> None:
         resp = await client.post(f"{self.url}/openai/v1/completions", json=body)
+        track.status, track.last_progress = resp.status_code, time.monotonic()
         if resp.status_code != 200:
             return self._status(resp)
         self.counts["served"] += 1
@@ -178,25 +224,54 @@ class Soak:
         body = {"model": MODEL_NAME, "prompt": self._prompt(rng), "max_tokens": rng.randint(1, 64),
                 "temperature": rng.choice([0.0, 0.8])}
         kind = rng.choices(["stream", "whole", "cancel", "deadline", "malformed"], [50, 10, 15, 10, 15])[0]
-        coro = {"stream": lambda: self._stream(client, body),
-                "whole": lambda: self._whole(client, body),
-                "cancel": lambda: self._stream(client, {**body, "max_tokens": 64}, drop_after=rng.randint(1, 8)),
+        track = Track(kind, time.monotonic())
+        malformed = rng.choice(MALFORMED) if kind == "malformed" else None
+        if malformed:
+            track.kind = f"malformed:{malformed}"
+        coro = {"stream": lambda: self._stream(client, body, track=track),
+                "whole": lambda: self._whole(client, body, track),
+                "cancel": lambda: self._stream(client, {**body, "max_tokens": 64}, drop_after=rng.randint(1, 8),
+                                               track=track),
                 "deadline": lambda: self._stream(client, {**body, "max_tokens": 64},
-                                                 headers={"X-Request-Timeout": f"{rng.uniform(0.05, 1.0):.2f}"}),
-                "malformed": lambda: self._malformed(client, rng.choice(MALFORMED))}[kind]
+                                                 headers={"X-Request-Timeout": f"{rng.uniform(0.05, 1.0):.2f}"},
+                                                 track=track),
+                "malformed": lambda: self._malformed(client, malformed)}[kind]
+        task = asyncio.ensure_future(coro())
         try:
-            await asyncio.wait_for(coro(), self.args.request_limit)
-        except asyncio.TimeoutError:
-            self.errors["hung"] += 1
+            done, _ = await asyncio.wait({task}, timeout=self.args.request_limit)
+            if not done:  # hung: say how far it got, and whether it ends at all (slow, or stuck)
+                self.errors["hung"] += 1
+                self.hung.append(track.describe(self.began))
+                print(f"[soak] hung: {self.hung[-1]}", flush=True)
+                self.late.append(asyncio.ensure_future(self._late(task, track)))
+                return
+            task.result()
         except httpx.HTTPError as exc:
             self.errors[f"transport:{type(exc).__name__}"] += 1
+        except Exception as exc:  # noqa: BLE001 - a bad answer is counted, not the end of the soak
+            self.errors[f"client:{type(exc).__name__}"] += 1
+            print(f"[soak] {track.kind}: {exc!r}", flush=True)
+
+    async def _late(self, task: asyncio.Task, track: Track) -> None:
+        """Wait up to another request limit for a hung request, and say whether it ended."""
+        done, _ = await asyncio.wait({task}, timeout=self.args.request_limit)
+        outcome = "still no answer; cancelled" if not done else (
+            f"answered late: {task.exception()!r}" if task.exception() else "answered late")
+        if not done:
+            task.cancel()
+        self.hung.append(f"  -> {outcome} ({track.describe(self.began)})")
+        print(f"[soak] hung, {outcome}: {track.describe(self.began)}", flush=True)
 
     # -- load ----------------------------------------------------------------------------------
     async def client_loop(self, seed: int, until: float) -> None:
         rng = random.Random(seed)
         async with httpx.AsyncClient(timeout=None) as client:
+            first_late = len(self.late)
             while time.monotonic() < until:
                 await self.one(client, rng)
+            # Closing the client closes the connections of its hung requests still followed: wait
+            # for them first (a closed connection reads as ReadError, not as the server's answer).
+            await asyncio.gather(*self.late[first_late:])
 
     async def burst(self, at: float) -> Counter:
         await asyncio.sleep(max(at - time.monotonic(), 0))
@@ -213,13 +288,14 @@ class Soak:
         return sum(self.counts.values()) + sum(self.errors.values())
 
     async def run(self, rss: RssSampler) -> Counter:
-        start = time.monotonic()
+        start = self.began = time.monotonic()
         until = start + self.args.duration
         clients = [self.client_loop(self.args.seed * 1000 + i, until) for i in range(self.args.concurrency)]
         burst = asyncio.ensure_future(self.burst(start + self.args.duration / 2))
         sampler = asyncio.ensure_future(rss.run(until))
         await asyncio.gather(*clients)
         await sampler
+        await asyncio.gather(*self.late)
         return await burst
 
 
@@ -297,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[soak] engine: {snap.get('pagedserve:engine_step_failures_total', 0):.0f} step failures; "
           f"server alive at the end: {alive}")
     print(f"[soak] leaked KV blocks: {leaked}; hung requests: {soak.errors['hung']}")
+    for line in soak.hung:
+        print(f"[soak]   hung: {line}")
     trend = trend_after_warmup(rss.samples, args.warmup_requests)
     print(f"[soak] RSS MiB by requests answered: {trace(rss.samples)}")
     if trend is None:

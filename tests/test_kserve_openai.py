@@ -214,6 +214,24 @@ def _aborts(server) -> float:
     return engine_value(scrape(server.url), "pagedserve:request_success_total", MODEL, finished_reason="abort")
 
 
+def test_stream_events_survive_a_client_that_splits_lines_like_str_splitlines(server, client):
+    """U+0085, U+2028 and U+2029 in the text (here echoed from the prompt) stay escaped in the
+    events: httpx's iter_lines, like str.splitlines, ends a line at each, and a raw one cut an event
+    in two (the soak's client failed on a random model's output: issue 29)."""
+    prompt = "line\u2028sep\x85next\u2029para"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0.0, "ignore_eos": True,
+            "echo": True, "stream": True}
+    with httpx.stream("POST", f"{server.openai_url}/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines), lines
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0.0, echo=True,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    assert text == whole and text.startswith(prompt)
+
+
 def test_dropped_stream_aborts_its_engine_request(server):
     aborts = _aborts(server)
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 1000, "ignore_eos": True, "stream": True}

@@ -51,8 +51,14 @@ def error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(error_body(err), status_code=err.status, headers=error_headers(err))
 
 
+LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+"""Characters JSON leaves unescaped in a string that str.splitlines (and so httpx's aiter_lines and
+other line readers) takes for line ends: raw in an event, they cut it in two for such a client."""
+
+
 def _event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    text = json.dumps(data, ensure_ascii=False, separators=(',', ':')).translate(LINE_BREAKS_JSON_KEEPS)
+    return f"data: {text}\n\n"
 
 
 async def generate_all(engine: AsyncLLMEngine, request_id: str, prompts: Sequence[str | list[int]],

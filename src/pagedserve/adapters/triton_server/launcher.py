@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.adapters.child_process import stop_process_group
+from pagedserve.adapters.triton_server.drain_report import FLUSH_GRACE_S, drained_since
 from pagedserve.adapters.triton_server.engine_config import MODEL_OVERRIDE_ENV, SHUTDOWN_NOTICE_ENV
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
@@ -50,9 +51,13 @@ connections and then for its models to unload. It must exceed the models' drain_
 DEFAULT_DRAIN_TIMEOUT_S = 20.0
 """LimitsConfig.drain_timeout's default (core/config.py; tests/test_triton_shutdown.py checks they
 agree), for an engine.json that sets none: read here without importing the engine."""
-STOP_GRACE_S = 0.5
+STOP_GRACE_S = 1.5
 """How long `pagedserve triton` lets tritonserver run past the longest drain_timeout of its models
-after passing on a stop signal, before it ends it (see _wait_for_exit)."""
+after passing on a stop signal, before it ends it (see _wait_for_exit). Models that report their
+drain (drain_report.py) end it sooner; this bounds the rest. The models' drain period starts when
+they see the notice (up to 0.1 s after the signal), the responses that end it go out after it,
+and the report adds FLUSH_GRACE_S and two looks of 0.1 s: 0.5 s here cut a stream's final error
+on a loaded machine; 1.5 s keeps every stop within drain_timeout + 2 s."""
 
 
 def wheel_dir() -> Path:
@@ -187,9 +192,16 @@ class TritonServer:
     def stop(self, timeout: float = EXIT_TIMEOUT_S + 10) -> None:
         # SIGINT to tritonserver alone: it unloads the models, whose stubs then exit. The rest of its
         # group is only what it could not end (it crashed or was killed): see stop_process_group.
+        # Those stubs get SIGKILL at once (grace 0): they ignore SIGTERM, so a grace only waited
+        # 5 s for nothing, and with tritonserver gone no response of theirs can reach a client.
         if self.shutdown_notice is not None and self.process.poll() is None:
             self.shutdown_notice.touch()
-        stop_process_group(self.process, signal.SIGINT, timeout, kill_timeout=5)
+        stop_process_group(self.process, signal.SIGINT, timeout, kill_timeout=5, grace=0.0)
+        self.cleanup()
+
+    def cleanup(self) -> None:
+        """Remove the server's /dev/shm regions and its backend directory (its processes are ended
+        or SIGKILLed: a region still mapped by a dying stub goes once the stub is gone)."""
         for region in glob.glob(f"/dev/shm/{self.shm_prefix}*"):
             try:
                 os.unlink(region)
@@ -343,9 +355,21 @@ pagedserve is serving on tritonserver (Ctrl-C stops it):
         server.stop()
         return 1
     drain_timeout = longest_drain_timeout(Path(args.model_repository), args.load_model)
-    code = _wait_for_exit(server, forwarder, drain_timeout)
-    server.stop()
-    return 0 if forwarder.received else code
+    code, ended_here = _wait_for_exit(server, forwarder, drain_timeout)
+    if ended_here:  # its whole session got SIGKILL: nothing to wait for (a loaded host takes seconds to reap it)
+        server.cleanup()
+    else:
+        server.stop()
+    if not forwarder.received:
+        return code  # it exited unasked: its own status
+    if ended_here or code == 0:
+        return 0
+    # Stopped, but tritonserver did not exit cleanly by itself: a fault inside Triton on its way out
+    # (2.51 was seen to take a SIGSEGV as it began unloading a model after a client abandoned a stream).
+    how = f"signal {-code}" if code < 0 else f"status {code}"
+    print(f"pagedserve triton: tritonserver ended with {how} while stopping (see its log above); its Python "
+          "backend stubs were ended", file=sys.stderr, flush=True)
+    return 1
 
 
 def longest_drain_timeout(repository: Path, models: list[str] | None) -> float:
@@ -364,26 +388,36 @@ def longest_drain_timeout(repository: Path, models: list[str] | None) -> float:
     return longest or DEFAULT_DRAIN_TIMEOUT_S
 
 
-def _wait_for_exit(server: TritonServer, forwarder: SignalForwarder, drain_timeout: float) -> int:
-    """tritonserver's exit status. Once a stop signal has been passed on, the models end every
+def _wait_for_exit(server: TritonServer, forwarder: SignalForwarder, drain_timeout: float) -> tuple[int, bool]:
+    """tritonserver's exit status, and whether the launcher ended it. Once a stop signal has been passed on, the models end every
     request still open by drain_timeout (the notice reaches them at once); what tritonserver waits
-    for after that holds nothing a client still needs, and can keep it running indefinitely: an
-    open gRPC stream, even one idle since its last request ended, keeps the model loaded (the
-    stream keeps its last request, which refers to the model) until its client closes it, past the
-    exit timeout too (Triton 2.51's gRPC Server::Stop waits for every open call with no deadline).
-    So STOP_GRACE_S past the longest drain_timeout the launcher ends the server's session itself."""
+    for after that holds nothing a client still needs, and takes long:
+
+    * every model reports its drain complete (drain_report.py): the launcher ends the server's
+      session FLUSH_GRACE_S after the last response, instead of waiting 2-3 s for Triton's own
+      shutdown steps (an idle server exits in well under a second);
+    * where one does not (a model of another kind, a stub that cannot write the file), an open gRPC
+      stream, even one idle since its last request ended, keeps the model loaded (the stream keeps
+      its last request, which refers to the model) until its client closes it, past the exit timeout
+      too (Triton 2.51's gRPC Server::Stop waits for every open call with no deadline). So
+      STOP_GRACE_S past the longest drain_timeout the launcher ends the server's session itself."""
     while True:
         deadline = None if forwarder.first_at is None else forwarder.first_at + drain_timeout + STOP_GRACE_S
         try:  # in steps: a signal's handler runs between them (a blocking wait would not see its time)
             step = 0.1 if deadline is None else min(max(deadline - time.monotonic(), 0.0), 0.1)
-            return server.process.wait(timeout=step)
+            return server.process.wait(timeout=step), False
         except subprocess.TimeoutExpired:
+            if deadline is not None and server.shutdown_notice is not None:
+                last_response = drained_since(server.shutdown_notice, server.process.pid)
+                if last_response is not None and time.monotonic() >= last_response + FLUSH_GRACE_S:
+                    server.kill()  # nothing left in it: every model drained and its engine is shut down
+                    return server.process.wait(), True
             if deadline is not None and time.monotonic() >= deadline:
                 print(f"pagedserve triton: tritonserver still runs {drain_timeout + STOP_GRACE_S:g} s after the "
                       f"stop signal, though its models' drain period ({drain_timeout:g} s) is over: it waits for "
                       "clients to close idle streams or connections; ending it", file=sys.stderr, flush=True)
                 server.kill()
-                return server.process.wait()
+                return server.process.wait(), True
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ model_repository/<name>/1/model.py imports this class. Per model instance (one s
   shutdown notice, or once tritonserver closes its HTTP port (server_watch.py: read from /proc,
   Triton is not asked), it refuses new requests, lets those in flight run for drain_timeout and
   then ends the rest with UNAVAILABLE. finalize() drains the same way (an unload through Triton's API: it comes once
-  the streams have ended).
+  the streams have ended). Once a drain the notice began is complete (engine shut down, every
+  request answered), the model tells the launcher (drain_report.py), which then ends tritonserver
+  at once rather than wait out Triton's own 2-3 s of shutdown steps.
 * A dead engine (repeated step failures) unloads the model (pb_utils.unload_model, as
   vllm_backend does), so readiness reports it: only in explicit model-control mode, read from
   tritonserver's command line (elsewhere the call fails, and a failing call can crash the stub;
@@ -50,6 +52,7 @@ from pagedserve.adapters.engine_metrics import cache_config_labels
 from pagedserve.adapters.triton_server.codec import timeout_seconds
 from pagedserve.adapters.triton_server.contracts import (ALL_INPUTS, Contract, ContractRequest, contract_from_config,
                                                          select_contract)
+from pagedserve.adapters.triton_server.drain_report import STUB_EXECUTABLE, report_drained
 from pagedserve.adapters.triton_server.errors import cancelled_error, to_triton_error
 from pagedserve.adapters.triton_server.engine_config import (ENGINE_JSON, MODEL_OVERRIDE_ENV, SHUTDOWN_NOTICE_ENV,
                                                              load_engine_config)
@@ -69,8 +72,6 @@ FINAL = 1  # pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL (the stub defines it 
 SHUTDOWN_POLL_S = 0.5
 """How often the model checks whether tritonserver has closed a port (server_watch.py: tens of µs
 once its ports are known, a few ms per look before)."""
-STUB_EXECUTABLE = "triton_python_backend_stub"
-"""The Python backend's process, which runs this model (and nothing else does)."""
 
 
 def input_bytes(tensors: dict[str, np.ndarray | None]) -> int:
@@ -135,6 +136,14 @@ class TritonPythonModel:
         """Whether tritonserver (the stub's parent) is shutting down; None outside a stub."""
         self._live: dict[str, _Live] = {}
         """request_id -> its response sender and last cancellation poll; loop thread only."""
+        self._unanswered = 0
+        """Requests execute() handed to the loop whose _serve has not ended yet; under _count_lock."""
+        self._count_lock = threading.Lock()
+        self._last_response_at = 0.0
+        """time.monotonic() of the last response sent (any thread): the launcher's flush grace
+        counts from it (drain_report.py)."""
+        self._drain_reported = False
+        self._drain_logged = False
         self.loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self.loop.run_forever, name="pagedserve-loop", daemon=True)
         self._loop_thread.start()
@@ -166,6 +175,8 @@ class TritonPythonModel:
                 self._send_error(sender, exc)
                 continue
             request_id = f"{request.request_id() or 'triton'}-{next(self._ids)}"
+            with self._count_lock:
+                self._unanswered += 1  # before the loop can see it: the drain report must count it
             asyncio.run_coroutine_threadsafe(self._serve(request_id, contract, parsed, sender, timeout), self.loop)
         return None
 
@@ -213,6 +224,8 @@ class TritonPythonModel:
                 self._send_error(sender, exc)
         finally:
             self._live.pop(request_id, None)
+            with self._count_lock:
+                self._unanswered -= 1
             self.metrics.poke()
 
     async def _watch(self) -> None:
@@ -244,6 +257,26 @@ class TritonPythonModel:
             if not dead_reported and self._drain is None and not self.engine.is_healthy():
                 dead_reported = True
                 await asyncio.to_thread(self._unload_dead_model)
+            self._report_drain_if_complete()
+
+    def _report_drain_if_complete(self) -> None:
+        """Once a drain the launcher's notice began is over (the engine is shut down) and every
+        request handed to the loop has had its final response, tell the launcher, once
+        (drain_report.py). Loop thread: _serve's clean-up runs here too, so `_unanswered` falls to
+        0 only after the last final response went out."""
+        if (self._drain_reported or self._drain is None or not self._drain.done() or self._server is None
+                or not self._server.noticed()):
+            return
+        with self._count_lock:
+            if self._unanswered:
+                return
+            last = self._last_response_at
+        self._drain_reported = True
+        self._log_drain_outcome()  # the launcher may end the stub before finalize() could
+        try:
+            report_drained(self._server.notice, last)
+        except OSError as exc:  # the launcher then waits for tritonserver's own exit, as without the report
+            logger.warning("pagedserve: could not report the drain complete to pagedserve triton: %s", exc)
 
     def _unload_dead_model(self) -> None:
         if self._server is not None and not explicit_model_control(self._server.pid):
@@ -268,23 +301,36 @@ class TritonPythonModel:
                     self.model_name, why, len(self._live), self.limits.drain_timeout)
         self._drain = asyncio.run_coroutine_threadsafe(self.engine.drain(self.limits.drain_timeout), self.loop)
 
+    def _log_drain_outcome(self) -> None:
+        """Say, once, how the drain ended (or that it has not)."""
+        if self._drain_logged:
+            return
+        self._drain_logged = True
+        error = self._drain.exception(timeout=0) if self._drain.done() else TimeoutError("the drain still runs")
+        if error is not None:
+            logger.warning("pagedserve: the drain did not finish cleanly", exc_info=error)
+        elif self._drain.result():
+            logger.warning("pagedserve: drain period over: %d request(s) ended with UNAVAILABLE", self._drain.result())
+
     def _decode_token(self, token_id: int) -> str:
         return self.engine.decode([token_id])
 
-    @staticmethod
-    def _send(sender, outputs: dict, flags: int) -> bool:
+    def _send(self, sender, outputs: dict, flags: int) -> bool:
         tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()]
-        sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
+        try:
+            sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
+        finally:
+            self._last_response_at = time.monotonic()
         return flags == FINAL
 
-    @staticmethod
-    def _send_error(sender, exc: BaseException | None) -> bool:
+    def _send_error(self, sender, exc: BaseException | None) -> bool:
         """The request's one FINAL response as an error (exc None: cancelled). True once sent."""
         error = cancelled_error(pb_utils) if exc is None else to_triton_error(pb_utils, exc)
         try:
             sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
         except Exception:  # noqa: BLE001 - the client is gone; nothing more can reach it
             logger.warning("pagedserve: could not deliver the final error response: %s", error.message())
+        self._last_response_at = time.monotonic()
         return True
 
     def finalize(self) -> None:
@@ -292,12 +338,10 @@ class TritonPythonModel:
         # then EngineShuttingDown -> an UNAVAILABLE final response each; then the loop stops.
         self._begin_drain("the model is being unloaded")
         try:
-            cut_off = self._drain.result(timeout=self.limits.drain_timeout + 15)
-            if cut_off:
-                logger.warning("pagedserve: drain period over: %d request(s) ended with UNAVAILABLE", cut_off)
+            self._drain.result(timeout=self.limits.drain_timeout + 15)
         except Exception:  # noqa: BLE001 - unloading either way
-            logger.warning("pagedserve: the drain did not finish cleanly", exc_info=True)
             self.engine.shutdown()
+        self._log_drain_outcome()
         deadline = time.monotonic() + 5.0
         while self._live and time.monotonic() < deadline:
             time.sleep(0.05)
