@@ -194,7 +194,8 @@ class Scheduler:
 
         scheduled = tuple(self._scheduled(r, num_new[r.seq_id]) for r in self.running if r.seq_id in num_new)
         total = sum(num_new.values())
-        self.stats.num_steps_total += 1
+        if scheduled or self.requests:  # a step with nothing left to run (all just timed out) is none
+            self.stats.num_steps_total += 1
         finished, self._finished_since_last_step = tuple(self._finished_since_last_step), []
         self._refresh_stats()
         return SchedulerOutput(scheduled, total, tuple(r.seq_id for r in preempted), finished)
