@@ -11,7 +11,6 @@ import socket
 import subprocess
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,22 +40,6 @@ class StreamEnd:
     ended_at: float | None = None
     """time.monotonic() when the client saw the end (final, error, or the connection closing)."""
     events: list = field(default_factory=list)
-
-
-def wait_http_ready(url: str, proc: subprocess.Popen, log_path: Path, timeout: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{tail(log_path)}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the server was not ready after {timeout:.0f} s:\n{tail(log_path)}")
-        time.sleep(0.2)
 
 
 def tail(log_path: Path, n: int = 40) -> str:

@@ -38,9 +38,10 @@ from tests.reliability_helpers import install_triton_hooks
 from pagedserve.adapters.child_process import stat_fields
 from pagedserve.adapters.triton_server.drain_report import stub_pids
 
+from tests.harness.readiness import wait_until_ready
 from tests.shutdown_helpers import (DRAIN_TIMEOUT, IDLE_EXIT_S, LONG_TOKENS, MARGIN, SHORT_TOKENS, STEP_DELAY,
                                     StreamEnd, consume_sse, kill_if_running, one_thread_env, read_sse_events,
-                                    signal_and_time_exit, sse_post, start_thread, tail, wait_http_ready)
+                                    signal_and_time_exit, sse_post, start_thread, tail)
 from tests.triton_helpers import GrpcStream, http_post, text_inputs
 
 pytestmark = pytest.mark.timeout(600)
@@ -70,7 +71,8 @@ class Launched:
                  "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(metrics)],
                 stdout=log, stderr=subprocess.STDOUT, env=one_thread_env())
         try:
-            wait_http_ready(f"{self.http_url}/v2/models/pagedserve/ready", self.proc, self.log_path)
+            wait_until_ready(self.proc, f"{self.http_url}/v2/models/pagedserve/ready", "pagedserve triton",
+                             lambda: tail(self.log_path), timeout=240)
             # and for the launcher to say so (it also waits for the metrics port): a signal before
             # that is a stop during start-up, which the launcher reports with exit status 1
             deadline = time.monotonic() + 60

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import httpx
@@ -29,6 +28,7 @@ from pagedserve.core.sampling_params import SamplingParams
 
 from bench.proctree import process_tree
 from tests.harness import ONE_THREAD
+from tests.harness.readiness import wait_until_ready
 from tests.harness.local_ports import free_ports
 from tests.triton_helpers import grpc_request, text_inputs, token_inputs
 
@@ -68,19 +68,6 @@ def installed(tmp_path_factory):
     return venv / "bin", work
 
 
-def wait_until(url: str, proc: subprocess.Popen, log: Path, timeout: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, f"the server exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"not ready after {timeout}s:\n{log.read_text()[-4000:]}"
-        time.sleep(0.2)
-
-
 def stop(proc: subprocess.Popen, sig: signal.Signals) -> None:
     tree = process_tree(proc.pid)
     proc.send_signal(sig)
@@ -116,7 +103,8 @@ def test_wheel_serves_triton_from_the_packaged_repository_and_a_written_copy(ins
                                      "--grpc-port", str(grpc), "--metrics-port", str(metrics), *repository_args],
                                     cwd=work, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **ONE_THREAD})
         try:
-            wait_until(f"http://127.0.0.1:{http}/v2/models/pagedserve/ready", proc, log)
+            wait_until_ready(proc, f"http://127.0.0.1:{http}/v2/models/pagedserve/ready", "the installed server",
+                             lambda: log.read_text()[-4000:], timeout=240)
             assert sum(name == "triton_python_b" for _, name in process_tree(proc.pid)) == 1
             url = f"127.0.0.1:{grpc}"
             text = grpc_request(url, "pagedserve", text_inputs(PROMPT, True, {"max_tokens": 8, **GREEDY}))
@@ -140,7 +128,8 @@ def test_wheel_serves_kserve(installed, tiny_model_dir, tmp_path):
                                  "--grpc-port", str(grpc)],
                                 cwd=work, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **ONE_THREAD})
     try:
-        wait_until(f"http://127.0.0.1:{http}/v2/models/tiny/ready", proc, log)
+        wait_until_ready(proc, f"http://127.0.0.1:{http}/v2/models/tiny/ready", "the installed server",
+                         lambda: log.read_text()[-4000:], timeout=240)
         resp = httpx.post(f"http://127.0.0.1:{http}/openai/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": PROMPT, "max_tokens": 8, **GREEDY})
     finally:

@@ -8,16 +8,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from pagedserve.adapters.child_process import stop_process
 
 from .local_ports import free_ports
+from .readiness import wait_until_ready
 
 
 @dataclass
@@ -55,19 +53,10 @@ def start_kserve(model: str | Path, log_path: Path, model_name: str = "pagedserv
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     server = KServeProcess(proc, model_name, http_port, grpc_port, Path(log_path))
-    deadline = time.monotonic() + timeout
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the kserve server exited with {proc.returncode}:\n{server.log_tail()}")
-            try:
-                if httpx.get(f"{server.url}/v2/models/{model_name}/ready", timeout=2).status_code == 200:
-                    return server
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the kserve server was not ready after {timeout}s:\n{server.log_tail()}")
-            time.sleep(0.25)
+        wait_until_ready(proc, f"{server.url}/v2/models/{model_name}/ready", "the kserve server", server.log_tail,
+                         timeout)
+        return server
     except BaseException:
         server.stop()
         raise

@@ -6,16 +6,14 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from pagedserve.adapters.child_process import stop_process
 
 from .local_ports import free_ports
+from .readiness import wait_until_ready
 
 ROUTER_ARGS = ("--policy", "cache_aware",
                # Notice a dead replica within about a second (the defaults poll every 60 s) ...
@@ -57,19 +55,9 @@ def start_router(worker_urls: Sequence[str], log_path: Path, args: Sequence[str]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     router = RouterProcess(proc, port, Path(log_path))
-    deadline = time.monotonic() + timeout
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited with {proc.returncode}:\n{router.log_tail()}")
-            try:
-                if httpx.get(f"{router.url}/health", timeout=2).status_code == 200:
-                    return router
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm-router did not answer after {timeout}s:\n{router.log_tail()}")
-            time.sleep(0.25)
+        wait_until_ready(proc, f"{router.url}/health", "vllm-router", router.log_tail, timeout)
+        return router
     except BaseException:
         router.stop()
         raise
