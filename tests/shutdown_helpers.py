@@ -42,6 +42,20 @@ class StreamEnd:
     events: list = field(default_factory=list)
 
 
+def assert_drained_in_time(ends: dict[str, StreamEnd], signalled: float, code: int, exited: float,
+                           log: str) -> None:
+    """The drain's outcome both servers owe: the long streams (sse-long, grpc-long) end with the
+    drain error, every stream ends within DRAIN_TIMEOUT + MARGIN of the signal, and the server
+    exits 0 within the same bound."""
+    for name in ("sse-long", "grpc-long"):  # cut off when the drain period ended, with an error saying so
+        e = ends[name]
+        assert e.error is not None and "drain period" in e.error, (name, e, log)
+    for e in ends.values():
+        assert e.ended_at is not None and e.ended_at - signalled < DRAIN_TIMEOUT + MARGIN, (e.name, e, log)
+    assert code == 0, log
+    assert exited < DRAIN_TIMEOUT + MARGIN, f"exited {exited:.1f} s after SIGTERM\n{log}"
+
+
 def tail(log_path: Path, n: int = 40) -> str:
     try:
         return "\n".join(log_path.read_text(errors="replace").splitlines()[-n:])
