@@ -253,6 +253,11 @@ class ChatMessage(_Strict):
         return template_message(i, self.role, content, self.tool_calls, self.tool_call_id)
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The conversation as the chat template takes it (the chat route's and /tokenize's)."""
+    return [m.as_template_input(i) for i, m in enumerate(messages)]
+
+
 class ChatCompletionRequest(_GenerateRequest):
     messages: list[ChatMessage]
     logprobs: bool | None = None
@@ -285,7 +290,7 @@ class ChatCompletionRequest(_GenerateRequest):
         return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, parser_name)
 
     def template_messages(self) -> list[dict[str, Any]]:
-        return [m.as_template_input(i) for i, m in enumerate(self.messages)]
+        return template_messages(self.messages)
 
     def sampling_params(self, tools: ToolPlan = NO_TOOLS) -> SamplingParams:
         self.check_supported()

@@ -25,9 +25,10 @@ from starlette.responses import JSONResponse, Response
 
 from pagedserve.adapters.kserve.errors import OpenAIError, model_not_found, not_ready
 from pagedserve.adapters.kserve.openai_routes import error_response
-from pagedserve.adapters.kserve.protocol import ChatMessage, _Strict, parse_request
+from pagedserve.adapters.kserve.protocol import ChatMessage, _Strict, parse_request, template_messages
 from pagedserve.core.async_engine import AsyncLLMEngine
 from pagedserve.core.errors import PagedServeError
+
 
 class _Tokenize(_Strict):
     model: str | None = None
@@ -90,7 +91,7 @@ class TokenizeServing:
             req.check_supported()
             engine = self._engine(req.model)
             if isinstance(req, TokenizeChatRequest):
-                prompt = await engine.apply_chat_template([m.as_template_input(i) for i, m in enumerate(req.messages)],
+                prompt = await engine.apply_chat_template(template_messages(req.messages),
                                                           add_generation_prompt=req.add_generation_prompt is not False)
             else:
                 prompt = req.prompt
