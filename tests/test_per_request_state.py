@@ -37,9 +37,16 @@ def per_request_sizes(engine: AsyncLLMEngine) -> dict[str, int]:
         "Scheduler.waiting": len(sched.waiting),
         "Scheduler.running": len(sched.running),
         "Scheduler._ended": len(sched._ended),
+        "Scheduler._runner_table_lengths": len(sched._runner_table_lengths),
         "KVCacheManager._samples": len(inner.kv_cache_manager._samples),
         "KVCacheManager used blocks": inner.kv_cache_manager.num_used_blocks,
         "Sampler._cache": len(inner.runner.sampler._cache),
+        # The runner drops a sample when the next step reports it finished (as the sampler does):
+        # those finished in the last step (the flush request) are still there, and only they.
+        "ModelRunner.batch.samples (not reported finished yet)":
+            len(set(inner.runner.batch.samples) - set(sched._finished_since_last_step)),
+        "ModelRunner block table rows in use (beyond those)":
+            int((inner.runner.batch.block_tables.lengths > 0).sum()) - len(inner.runner.batch.samples),
         "StructuredOutputManager._states": len(inner.structured_output._states),
         # Finished samples stay in the deadline heap until their deadline passes (or a compaction).
         "Deadlines._heap (unfinished)": sum(not e[2].status.finished for e in sched.deadlines._heap),

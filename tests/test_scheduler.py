@@ -23,7 +23,7 @@ def add(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 8) -> Sample:
 def step(s: Scheduler, token: int = 5):
     out = s.schedule()
     assert out.num_batched_tokens <= s.config.max_num_batched_tokens
-    s.update_from_output(out, {r.seq_id: token for r in out.requests if r.sample})
+    s.update_from_output(out, {r.seq_id: token for r in out.scheduled if r.sample})
     s.kv.check_invariants()
     return out
 
@@ -36,12 +36,12 @@ def test_long_prompt_is_chunked_beside_running_decodes():
     chunks = []
     for _ in range(4):
         out = step(s)
-        by_id = {r.seq_id: r for r in out.requests}
+        by_id = {r.seq_id: r for r in out.scheduled}
         assert len(by_id[short.seq_id].token_ids) == 1 and by_id[short.seq_id].sample  # decode never stalls
         chunks.append(len(by_id[long.seq_id].token_ids))
     assert chunks[:2] == [15, 15]  # budget 16 minus the decode
     assert sum(chunks[:3]) == 40 and chunks[2] == 10
-    assert [r.sample for r in out.requests if r.seq_id == long.seq_id] == [True]  # 4th step: long decodes
+    assert [r.sample for r in out.scheduled if r.seq_id == long.seq_id] == [True]  # 4th step: long decodes
 
 
 def test_positions_and_tokens_cover_the_prompt_exactly_once():
@@ -50,7 +50,7 @@ def test_positions_and_tokens_cover_the_prompt_exactly_once():
     starts = []
     while s.has_unfinished_requests():
         out = step(s)
-        starts.extend((x.start_position, len(x.token_ids)) for x in out.requests)
+        starts.extend((x.start_position, len(x.token_ids)) for x in out.scheduled)
     assert starts[:3] == [(0, 7), (7, 7), (14, 6)]
     assert [p for p, _ in starts[3:]] == [20, 21]
     assert r.status == SampleStatus.FINISHED_LENGTH and r.output_token_ids == [5, 5, 5]
@@ -61,7 +61,7 @@ def test_max_num_seqs_limits_admission():
     for i in range(5):
         add(s, f"r{i}", 4)
     out = step(s)
-    assert len(out.requests) == 3 and s.stats.num_waiting == 2
+    assert len(out.scheduled) == 3 and s.stats.num_waiting == 2
 
 
 def test_preemption_takes_the_most_recently_admitted_and_recomputes():
@@ -79,10 +79,11 @@ def test_preemption_takes_the_most_recently_admitted_and_recomputes():
     assert s.waiting[0] is b and s.stats.num_preemptions_total == 1
     while s.has_unfinished_requests():
         out = step(s)
-        for x in out.requests:
+        new = {x.seq_id: x for x in out.new_samples}
+        for x in out.scheduled:
             if x.seq_id == b.seq_id and x.start_position == 0:
                 # resumed: recomputes prompt + the tokens it had generated, keeps its output
-                assert len(x.token_ids) == b.num_prompt_tokens + len(x.output_token_ids)
+                assert len(x.token_ids) == b.num_prompt_tokens + len(new[b.seq_id].output_token_ids)
     assert a.output_token_ids == [5] * 8 and b.output_token_ids == [5] * 8
     assert s.kv.num_free_blocks == 6
 

@@ -48,7 +48,7 @@ NAMES: dict[int, str] = {}
 
 
 def name(scheduled) -> str:
-    """The request_id of a ScheduledRequest (it carries the sample's seq_id only)."""
+    """The request_id of a ScheduledSample (it carries the sample's seq_id only)."""
     return NAMES[scheduled.seq_id]
 
 
@@ -65,8 +65,8 @@ def add(s: Scheduler, rid: str, prompt: list[int], max_tokens: int = 4, at: floa
 def step(s: Scheduler, token: int = 5):
     out = s.schedule()
     assert out.num_batched_tokens <= s.config.max_num_batched_tokens
-    assert len(out.requests) <= s.config.max_num_seqs
-    s.update_from_output(out, {r.seq_id: token for r in out.requests if r.sample})
+    assert len(out.scheduled) <= s.config.max_num_seqs
+    s.update_from_output(out, {r.seq_id: token for r in out.scheduled if r.sample})
     s.kv.check_invariants()
     return out
 
@@ -106,7 +106,7 @@ def test_invariants_hold_on_a_random_shared_prefix_workload(policy):
         assert steps < 5000
         for seq_id in out.preempted_seq_ids:
             next_pos[NAMES[seq_id]] = 0
-        for sr in out.requests:
+        for sr in out.scheduled:
             rid = name(sr)
             r = reqs[rid]
             # a start past next_pos is a prefix hit; it must be block-aligned and inside the prompt
@@ -145,7 +145,7 @@ def test_prefix_policy_groups_waiting_requests_by_their_shared_prefix():
         add(s, f"a{i}", a + [9 + i], max_tokens=2)
     order = []
     for out in run_all(s):
-        order += [name(r) for r in out.requests if r.start_position == 0 or name(r) not in order]
+        order += [name(r) for r in out.scheduled if r.start_position == 0 or name(r) not in order]
     first_seen = list(dict.fromkeys(order))
     # a0 warms prefix `a`; the other a-requests (cached prefix) run before any b-request
     assert first_seen[:4] == ["a0", "a1", "a2", "a3"]
@@ -156,7 +156,7 @@ def test_throughput_policy_starts_long_decodes_first():
     s = make("throughput", budget=256, max_num_seqs=1)
     for i, max_tokens in enumerate((2, 9, 5)):
         add(s, f"r{i}", [50 + i] * 6, max_tokens=max_tokens)
-    first_seen = list(dict.fromkeys(name(r) for out in run_all(s) for r in out.requests))
+    first_seen = list(dict.fromkeys(name(r) for out in run_all(s) for r in out.scheduled))
     assert first_seen == ["r1", "r2", "r0"]
 
 
@@ -180,7 +180,7 @@ def test_throughput_projection_counts_shared_prefix_blocks_once():
         add(s, f"r{i}", prefix + [70 + i], max_tokens=3)  # 1 private block each at the end
     out = step(s)
     # 4 shared + 4 private = 8 <= 12: all four start (counting the prefix per request would be 20)
-    assert len(out.requests) == 4 and s.stats.num_waiting == 0
+    assert len(out.scheduled) == 4 and s.stats.num_waiting == 0
 
 
 @pytest.mark.parametrize("policy", ("prefix", "throughput"))

@@ -405,6 +405,7 @@ class LLMEngine:
             self.structured_output.forget([sample.seq_id for sample in entry.samples])
         self._requests.clear()
         self.scheduler.reset_after_abort_all()
+        self.runner.forget_all()  # it may have missed the failed step's delta
         self.metrics.observe_step_failure()
         self._publish_metrics()
         return request_ids

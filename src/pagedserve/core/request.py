@@ -15,8 +15,10 @@ Who writes what (everything runs on the engine thread):
   ended; the engine then finishes them through the scheduler;
 * other components keep state of their own per sample only where it is theirs, keyed by seq_id:
   the KV cache manager's block tables (freed and forgotten by the scheduler as it finishes the
-  sample), and the sampler's seeded generators and cached prompts and the structured-output
-  grammar matchers (dropped when SchedulerOutput.finished_seq_ids reports the sample finished).
+  sample), the runner's copy of its tables and output (core/runner_batch.py; dropped when
+  SchedulerOutput reports the sample preempted or finished), and the sampler's seeded generators
+  and cached prompts and the structured-output grammar matchers (dropped when
+  SchedulerOutput.finished_seq_ids reports the sample finished).
   The scheduler's `samples` index maps a step's seq_ids back to their samples; `Deadlines` holds
   the samples that have one in a heap. Both hold references, not state.
 

@@ -11,6 +11,10 @@ request can ever fit, how much is queued, and to reset the cache after a failed 
 every finish in one place per step (update_from_output): length, EOS, stop tokens, a grammar that
 terminated or that no token can continue, an expired deadline; a stop string, which only the
 output stage can see, is handed back through finish_sample, as an abort is.
+
+Each SchedulerOutput is a delta against what the model runner already holds (core/step_types.py):
+a sample's static data when it is admitted (again, after a preemption), then per step only its
+tokens and the block ids its tables gained, so a step costs O(batch), not O(context).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pagedserve.core.kv_cache.manager import KVCacheManager
 from pagedserve.core.limits import Deadlines
 from pagedserve.core.request import Sample, SampleStatus
 from pagedserve.core.scheduling_policy import Admission, make_policy
-from pagedserve.core.step_types import ScheduledRequest, SchedulerOutput, StepResult, StepUpdate
+from pagedserve.core.step_types import NewSample, ScheduledSample, SchedulerOutput, StepResult, StepUpdate
 from pagedserve.core.structured_output.manager import GrammarBitmask, StructuredOutputManager, StructuredStep
 
 
@@ -70,6 +74,9 @@ class Scheduler:
         """seq_id -> live sample: maps a step's seq_ids back to their samples (the samples
         themselves belong to the engine's EngineRequest, core/request.py)."""
         self._finished_since_last_step: list[int] = []
+        self._runner_table_lengths: dict[int, int] = {}
+        """seq_id -> block table entries the runner holds for a running sample (its step deltas
+        send the rest); absent for a sample the runner does not hold: it is sent as new."""
         self.stats = SchedulerStats()
         self.policy = make_policy(config.scheduling_policy, config.scheduling_age_bound_s)
 
@@ -192,13 +199,15 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(skipped))
 
-        scheduled = tuple(self._scheduled(r, num_new[r.seq_id]) for r in self.running if r.seq_id in num_new)
+        new_samples: list[NewSample] = []
+        scheduled = tuple(self._scheduled(r, num_new[r.seq_id], new_samples) for r in self.running
+                          if r.seq_id in num_new)
         total = sum(num_new.values())
         if scheduled or self.samples:  # a step with nothing left to run (all just timed out) is none
             self.stats.num_steps_total += 1
         finished, self._finished_since_last_step = tuple(self._finished_since_last_step), []
         self._refresh_stats()
-        return SchedulerOutput(scheduled, total, tuple(r.seq_id for r in preempted), finished)
+        return SchedulerOutput(tuple(new_samples), scheduled, total, tuple(r.seq_id for r in preempted), finished)
 
     @staticmethod
     def _waits_for_leader(request: Sample) -> bool:
@@ -226,27 +235,28 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return max(min(n, budget), 0)
 
-    def _scheduled(self, request: Sample, n: int) -> ScheduledRequest:
+    def _scheduled(self, request: Sample, n: int, new_samples: list[NewSample]) -> ScheduledSample:
+        """The sample's step delta for the runner; its static data goes to new_samples first if the
+        runner does not hold it (admitted now, or back after a preemption)."""
+        known = self._runner_table_lengths.get(request.seq_id)
+        if known is None:
+            new_samples.append(NewSample(request.seq_id, request.prompt_token_ids, request.sampling_params,
+                                         request.eos_token_id, tuple(request.output_token_ids)))
+            known = 0
+        new_block_ids, num_null, self._runner_table_lengths[request.seq_id] = self.kv.table_delta(request, known)
         start = request.num_computed_tokens
-        return ScheduledRequest(
+        return ScheduledSample(
             seq_id=request.seq_id,
             token_ids=tuple(request.token_ids_slice(start, start + n)),
             start_position=start,
-            block_ids=tuple(self.kv.get_block_ids(request)),
-            group_block_ids=() if self.kv.num_groups == 1 else self._group_block_ids(request),
             sample=start + n == request.num_tokens,
-            sampling_params=request.sampling_params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=tuple(request.output_token_ids),
-            eos_token_id=request.eos_token_id,
+            new_block_ids=new_block_ids,
+            num_null_blocks=num_null,
         )
-
-    def _group_block_ids(self, request: Sample) -> tuple[tuple[int, ...], ...]:
-        """Block ids of layer groups 1.. (a model with one group has none: no extra work per step)."""
-        return tuple(tuple(ids) for ids in self.kv.get_group_block_ids(request)[1:])
 
     def _preempt(self, request: Sample) -> None:
         self.kv.free(request)
+        self._runner_table_lengths.pop(request.seq_id, None)  # the runner drops it too (preempted_seq_ids)
         request.num_computed_tokens = 0
         request.status = SampleStatus.PREEMPTED
         request.num_preemptions += 1
@@ -258,7 +268,11 @@ class Scheduler:
         """The token masks of this step's constrained samples, or None when none samples; their
         grammars accept the sampled tokens in update_from_output."""
         so = self.structured_output
-        self._grammar = so.prepare(scheduler_output) if so is not None else None
+        if so is None:
+            self._grammar = None
+        else:  # the samples that sample this step, looked up only when some sample has a grammar
+            sampling = (self.samples[s.seq_id] for s in scheduler_output.scheduled if s.sample)
+            self._grammar = so.prepare(sampling, scheduler_output.finished_seq_ids)
         return self._grammar.bitmask if self._grammar is not None else None
 
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[int, int]) -> StepResult:
@@ -287,7 +301,7 @@ class Scheduler:
     def _apply_tokens(self, scheduler_output: SchedulerOutput, sampled: dict[int, int]) -> list[StepUpdate]:
         """Advance computed tokens, append sampled tokens, apply the token-level stop rules."""
         outputs: list[StepUpdate] = []
-        for sched in scheduler_output.requests:
+        for sched in scheduler_output.scheduled:
             request = self.samples[sched.seq_id]
             n = len(sched.token_ids)
             self.stats.num_computed_prompt_tokens_total += max(
@@ -326,6 +340,7 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         self.kv.forget(request)
+        self._runner_table_lengths.pop(request.seq_id, None)
         del self.samples[request.seq_id]
         self._finished_since_last_step.append(request.seq_id)
 

@@ -74,6 +74,7 @@ class KVCacheManager:
         self._samples: dict[int, _SampleBlocks] = {}
         """seq_id -> the sample's blocks and hashes, from its first lookup until `forget`."""
         self.prefix_stats = PrefixCacheStats()
+        self._no_new_ids: tuple[tuple[int, ...], ...] = ((),) * self.num_groups
 
     # -- the pool's counters (what the scheduler and its policies read) ------------------------
     @property
@@ -159,6 +160,20 @@ class KVCacheManager:
         if state is None:
             return [[] for _ in range(self.num_groups)]
         return [[b.block_id for b in table] for table in state.tables]
+
+    def table_delta(self, request: Sample, known: int) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...], int]:
+        """What a copy of the sample's tables holding their first `known` entries lacks (the model
+        runner keeps one): per group, the ids after them; per group, the leading entries that are
+        the null block (() when no group frees blocks); and the tables' length now. O(new entries)."""
+        state = self._samples.get(request.seq_id)
+        tables = state.tables if state is not None else [[] for _ in range(self.num_groups)]
+        length = len(tables[0])
+        if length == known:
+            new_ids = self._no_new_ids
+        else:
+            new_ids = tuple(tuple(b.block_id for b in table[known:]) for table in tables)
+        num_null = () if self.null_block is None or state is None else tuple(state.num_skipped)
+        return new_ids, num_null, length
 
     def num_hit_blocks(self, hits: list[KVBlock]) -> int:
         """Pool blocks in a list of reusable blocks (the null placeholders cost nothing)."""
