@@ -45,7 +45,8 @@ def make_engine(path, args, **cache):
     from pagedserve.core.engine import LLMEngine
     from pagedserve.tools.engine_args import engine_config_from_args
 
-    config = engine_config_from_args(args, defaults={"model": str(path), "max_model_len": args.prompt_len + args.output_len})
+    defaults = {"model": str(path), "max_model_len": args.prompt_len + args.output_len}
+    config = engine_config_from_args(args, defaults=defaults)
     return LLMEngine(config.replace(
         long_prefill_token_threshold=args.chunk, scheduling_policy="throughput", scheduling_age_bound_s=1e9,
         enable_prefix_caching=False, **cache))

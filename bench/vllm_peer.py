@@ -169,7 +169,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_neighbour_arg(ap)
     args = ap.parse_args(argv)
     unused = [f"--{key.replace('_', '-')}" for key in ENGINE_FLAGS
-              if key not in CHILD_FLAGS and getattr(args, key) is not None] + ["--engine-config"] * bool(args.engine_config)
+              if key not in CHILD_FLAGS and getattr(args, key) is not None]
+    unused += ["--engine-config"] * bool(args.engine_config)
     if unused:
         ap.error(f"{', '.join(unused)}: not passed on; both sides run at bench/vllm_child.py's settings, "
                  f"which take only {', '.join('--' + k.replace('_', '-') for k in CHILD_FLAGS)}")
