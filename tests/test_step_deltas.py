@@ -25,7 +25,8 @@ def assert_runner_mirrors_scheduler(engine: LLMEngine) -> None:
         for group, ids in enumerate(kv.get_group_block_ids(sample)):
             assert batch.block_tables.row_ids(held.row, group) == ids, f"sample {sample.seq_id}, group {group}"
         assert held.output_token_ids == sample.output_token_ids
-        assert held.prompt_token_ids == sample.prompt_token_ids and held.sampling_params == sample.sampling_params
+        assert held.static.prompt_token_ids == sample.prompt_token_ids
+        assert held.static.sampling_params == sample.sampling_params
     for sample in engine.scheduler.waiting:  # preempted or never admitted: the runner holds nothing
         assert sample.seq_id not in batch.samples or sample.seq_id in engine.scheduler._finished_since_last_step
 

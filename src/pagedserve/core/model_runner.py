@@ -70,7 +70,8 @@ class ModelRunner:
 
         rope_lengths = None
         if self.model.needs_rope_lengths:
-            prompt_lens = np.fromiter((len(x.prompt_token_ids) for x in samples), dtype=np.int64, count=len(reqs))
+            prompt_lens = np.fromiter((len(x.static.prompt_token_ids) for x in samples), dtype=np.int64,
+                                      count=len(reqs))
             rope_lengths = dev(np.maximum(np.repeat(prompt_lens, q_lens), positions + 1))
 
         group_tables = ()
@@ -103,7 +104,8 @@ class ModelRunner:
 
     @staticmethod
     def _wants_prompt_logprobs(r: ScheduledSample, sample: RunnerSample) -> bool:
-        return sample.sampling_params.prompt_logprobs is not None and r.start_position < len(sample.prompt_token_ids)
+        static = sample.static
+        return static.sampling_params.prompt_logprobs is not None and r.start_position < len(static.prompt_token_ids)
 
     def _num_logits_rows(self, r: ScheduledSample, sample: RunnerSample) -> int:
         """How many of the sample's last rows need logits: all of them while it scores its prompt
@@ -140,23 +142,24 @@ class ModelRunner:
         else:
             sample_logits = logits[torch.tensor(sample_rows, device=logits.device)]
         if grammar is not None:  # before the sampler: sampling and logprobs see the masked logits (as vLLM)
-            grammar.apply(sample_logits, [x.seq_id for x in sampling])
+            grammar.apply(sample_logits, [x.static.seq_id for x in sampling])
         result = self.sampler(
-            sample_logits, [x.seq_id for x in sampling], [x.sampling_params for x in sampling],
-            [x.output_token_ids for x in sampling], [x.prompt_token_ids for x in sampling],
-            [x.eos_token_id for x in sampling],
+            sample_logits, [x.static.seq_id for x in sampling], [x.static.sampling_params for x in sampling],
+            [x.output_token_ids for x in sampling], [x.static.prompt_token_ids for x in sampling],
+            [x.static.eos_token_id for x in sampling],
         )
         for x, t in zip(sampling, result.token_ids):
             x.output_token_ids.append(t)  # the runner's own history: the scheduler appends the same token
-        sampled = {x.seq_id: t for x, t in zip(sampling, result.token_ids)}
-        logprobs = {x.seq_id: lp for x, lp in zip(sampling, result.logprobs) if lp is not None}
+        sampled = {x.static.seq_id: t for x, t in zip(sampling, result.token_ids)}
+        logprobs = {x.static.seq_id: lp for x, lp in zip(sampling, result.logprobs) if lp is not None}
         return RunnerOutput(sampled, logprobs, prompt_logprobs)
 
     @staticmethod
     def _prompt_logprobs(r: ScheduledSample, sample: RunnerSample, logits: torch.Tensor) -> list[TokenLogprobs]:
         """Row j scores the prompt token at position start + j + 1 (the next one), if any."""
-        prompt = sample.prompt_token_ids
+        prompt = sample.static.prompt_token_ids
         targets = list(prompt[r.start_position + 1 : r.start_position + 1 + logits.shape[0]])
         if not targets:
             return []
-        return compute_logprobs(logits[: len(targets)], targets, [sample.sampling_params.prompt_logprobs] * len(targets))
+        num_top = sample.static.sampling_params.prompt_logprobs
+        return compute_logprobs(logits[: len(targets)], targets, [num_top] * len(targets))

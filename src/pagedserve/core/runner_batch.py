@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.core.step_types import NewSample, SchedulerOutput
 
 
@@ -25,10 +24,9 @@ from pagedserve.core.step_types import NewSample, SchedulerOutput
 class RunnerSample:
     """What the runner keeps of one sample between steps."""
 
-    seq_id: int
-    prompt_token_ids: tuple[int, ...]
-    sampling_params: SamplingParams
-    eos_token_id: int | None
+    static: NewSample
+    """Its record as the scheduler sent it (prompt, sampling params, EOS id, ...), kept whole so
+    that a field added there reaches the runner as is."""
     output_token_ids: list[int]
     """Its output so far: the NewSample's tokens, then every token the runner sampled for it
     (the sampler's penalties, min_tokens and bad_words read it)."""
@@ -136,6 +134,5 @@ class RunnerBatch:
     def _add(self, new: NewSample) -> None:
         if new.seq_id in self.samples:
             raise RuntimeError(f"sample {new.seq_id} is new to the runner but it already holds it")
-        self.samples[new.seq_id] = RunnerSample(
-            new.seq_id, new.prompt_token_ids, new.sampling_params, new.eos_token_id,
-            list(new.output_token_ids), self.block_tables.take_row(), [0] * self.num_groups)
+        self.samples[new.seq_id] = RunnerSample(new, list(new.output_token_ids), self.block_tables.take_row(),
+                                                [0] * self.num_groups)
