@@ -170,6 +170,20 @@ def add_engine_flags(ap: argparse.ArgumentParser, **defaults: Any) -> None:
     ap.set_defaults(**defaults)
 
 
+def refuse_engine_flags(ap: argparse.ArgumentParser, args: argparse.Namespace, taken: Sequence[str],
+                        where: str) -> None:
+    """Exit with a usage error naming every engine flag given but not in `taken` (EngineConfig keys):
+    a benchmark whose child processes take only some flags must not ignore the others silently."""
+    from pagedserve.tools.engine_args import ENGINE_FLAGS
+
+    unused = [f"--{key.replace('_', '-')}" for key in ENGINE_FLAGS
+              if key not in taken and getattr(args, key) is not None]
+    unused += ["--engine-config"] * bool(args.engine_config)
+    if unused:
+        ap.error(f"{', '.join(unused)}: not passed on; {where}, which take only "
+                 f"{', '.join('--' + k.replace('_', '-') for k in taken)}")
+
+
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
     """--workload and --num-requests, the same in every benchmark."""
     ap.add_argument("--workload", default=str(W64),

@@ -1,9 +1,9 @@
 """How cost grows with context and concurrency: pagedserve vs vLLM's CPU build, same run, a grid.
 
-    python -m bench.scaling [--model DIR] [--dtype auto|bfloat16|float32]
-                            [--lengths 128,1024,4096,8192] [--concurrency 1,8,64] [--output-len 128]
-                            [--kv-gib 4] [--venv bench/.peer-venv] [--no-install] [--png PATH]
-                            [--sides pagedserve,vllm]
+    python -m bench.scaling [--model DIR] [--dtype auto|bfloat16|float32] [--max-num-seqs 64]
+                            [--kv-cache-memory BYTES] [--lengths 128,1024,4096,8192]
+                            [--concurrency 1,8,64] [--output-len 128] [--venv bench/.peer-venv]
+                            [--no-install] [--png PATH] [--sides pagedserve,vllm]
 
 Each cell is `concurrency` requests of `prompt_len` tokens of real text (slices of the W64
 prompts, a different slice per request), all arriving at once, each generating `output_len`
@@ -11,8 +11,8 @@ tokens greedily with EOS ignored; per cell the output tok/s over the cell's wall
 mean TTFT (time from the cell's start to a request's first token), on each side. Each side runs in
 its own child process (bench/scaling_child.py); both stay loaded and take turns cell by cell (the
 order flips each cell), so load from elsewhere on the machine falls on both alike. Both get the
-same KV memory (--kv-gib: vLLM's VLLM_CPU_KVCACHE_SPACE, pagedserve's kv_cache_memory), max_num_seqs 64, chunked
-prefill on, prefix caching off; a cell whose KV does not fit at once queues on both sides alike.
+same KV memory (--kv-cache-memory, default 4 GiB: vLLM's VLLM_CPU_KVCACHE_SPACE), the same
+max_num_seqs (default 64), chunked prefill on, prefix caching off; a cell whose KV does not fit at once queues on both sides alike.
 
 A prompt length past what the model takes with the output (SmolLM2: 8,192 positions) is cut to
 max_model_len - output_len and the table says so (8192 -> 8064 for SmolLM2).
@@ -34,10 +34,12 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-from bench.common import W64, load_workload
+from bench.common import W64, add_engine_flags, load_workload, refuse_engine_flags
 from bench.vllm_peer import cpu_flags, ensure_vllm_venv
 
 SIDES = ("pagedserve", "vllm")
+CHILD_FLAGS = ("model", "dtype", "max_num_seqs", "kv_cache_memory")
+"""The engine flags bench/scaling_child.py takes (the same for both sides); the others are refused."""
 
 
 def int_list(text: str) -> list[int]:
@@ -52,18 +54,17 @@ def int_list(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="default", help="local HF directory or 'default' (SmolLM2-135M)")
-    ap.add_argument("--dtype", default="auto", help="auto (what pagedserve picks here), bfloat16 or float32")
+    add_engine_flags(ap, model="default", dtype="auto", max_num_seqs=64, kv_cache_memory=4 * 2**30)
     ap.add_argument("--lengths", type=int_list, default=[128, 1024, 4096, 8192], help="prompt lengths")
     ap.add_argument("--concurrency", type=int_list, default=[1, 8, 64], help="requests per cell")
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--kv-gib", type=float, default=4.0, help="KV cache memory on each side, GiB")
     ap.add_argument("--venv", type=Path, default=ROOT / "bench" / ".peer-venv", help="vLLM's side virtualenv")
     ap.add_argument("--no-install", action="store_true", help="fail instead of installing vLLM")
     ap.add_argument("--sides", default=",".join(SIDES), help="which engines to run (comma-separated)")
     ap.add_argument("--png", type=Path, default=None, help="write the plot here")
     args = ap.parse_args(argv)
+    refuse_engine_flags(ap, args, CHILD_FLAGS, "both sides run at bench/scaling_child.py's settings")
+    args.kv_gib = args.kv_cache_memory / 2**30
     args.sides = [s for s in args.sides.split(",") if s]
     if unknown := sorted(set(args.sides) - set(SIDES)):
         ap.error(f"--sides: unknown {unknown}; choose from {list(SIDES)}")

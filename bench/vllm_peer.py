@@ -54,10 +54,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-from bench.common import RunResult, add_engine_flags, add_workload_args, load_workload, print_result, print_summary
+from bench.common import (RunResult, add_engine_flags, add_workload_args, load_workload, print_result, print_summary,
+                          refuse_engine_flags)
 from bench.neighbours import add_neighbour_arg, busy_neighbours
 from bench.proctree import tree_rss
-from pagedserve.tools.engine_args import ENGINE_FLAGS
 
 CHILD_FLAGS = ("model", "dtype", "max_num_seqs")
 """The engine flags bench/vllm_child.py takes (the same for both sides); the others are refused."""
@@ -168,12 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--verbose", action="store_true", help="echo both children's output")
     add_neighbour_arg(ap)
     args = ap.parse_args(argv)
-    unused = [f"--{key.replace('_', '-')}" for key in ENGINE_FLAGS
-              if key not in CHILD_FLAGS and getattr(args, key) is not None]
-    unused += ["--engine-config"] * bool(args.engine_config)
-    if unused:
-        ap.error(f"{', '.join(unused)}: not passed on; both sides run at bench/vllm_child.py's settings, "
-                 f"which take only {', '.join('--' + k.replace('_', '-') for k in CHILD_FLAGS)}")
+    refuse_engine_flags(ap, args, CHILD_FLAGS, "both sides run at bench/vllm_child.py's settings")
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
     return args
