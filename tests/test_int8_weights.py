@@ -52,15 +52,17 @@ def test_quantization_flag():
 
 # --- tiny models against transformers ------------------------------------------------------------
 
-def dequantized_copy(src, dst):
-    """The checkpoint with every weight `quantization: int8` quantizes replaced by its dequantized
-    int8 values (the LM head, or the embedding it is tied to, included: loader.INT8_LM_HEAD)."""
+def dequantized_copy(src, dst, projections: bool = True):
+    """The checkpoint with every weight `quantization: int8` quantizes per channel replaced by its
+    dequantized int8 values: the LM head, or the embedding it is tied to (loader.INT8_LM_HEAD), and
+    the projections unless they come from GGUF Q8_0 blocks (projections=False)."""
     shutil.copytree(src, dst)
     path = dst / "model.safetensors"
     tensors = load_file(str(path))
     tied = "lm_head.weight" not in tensors
     for name, t in tensors.items():
-        if name.endswith("_proj.weight") or name == "lm_head.weight" or (tied and name == "model.embed_tokens.weight"):
+        if ((projections and name.endswith("_proj.weight")) or name == "lm_head.weight"
+                or (tied and name == "model.embed_tokens.weight")):
             tensors[name] = quantize_per_channel(t).dequantize(t.dtype)
     save_file(tensors, str(path), metadata={"format": "pt"})
     return dst
@@ -81,6 +83,40 @@ def test_int8_engine_matches_transformers_on_dequantized_weights(tiny_model_dir,
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=12, **GREEDY))
     for prompt, out in zip(PROMPTS, outs):
         assert list(out.token_ids) == hf_greedy(oracle, prompt, 12)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_gguf_q8_0_projections_stay_as_stored(tmp_path, tied):
+    """A Q8_0 GGUF's projections keep their blocks (codes and fp16 scales, group 32), not requantized;
+    the engine then matches transformers on the converted folder (its Q8_0 values decoded exactly),
+    whose LM head / tied embedding alone is replaced by its per-channel int8 values."""
+    import gguf
+    import numpy as np
+
+    from pagedserve.core.models.gguf import ensure_gguf_model
+    from pagedserve.core.models.gguf.dequant import q8_0_blocks
+    from tests.gguf_fixtures import write_gguf
+
+    path = write_gguf(tmp_path / "q8.gguf", "llama", ("Q8_0",), tied=tied)
+    converted = ensure_gguf_model(path, cache_dir=tmp_path / "cache", progress=False)
+    oracle = dequantized_copy(converted, tmp_path / "oracle", projections=False)
+    engine = LLMEngine(EngineConfig.from_dict({"model": str(converted), "dtype": "float32", "quantization": "int8",
+                                               "attention_backend": "reference", "kv_cache_memory": 1 << 22}))
+    stored = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    codes, scales = q8_0_blocks(stored["blk.1.attn_output.weight"])
+    o = engine.runner.model.layers[1].o.kernel.int8_weight
+    assert o.group_size == 32 and torch.equal(o.qweight, torch.from_numpy(codes))
+    assert torch.equal(o.scales, torch.from_numpy(scales.astype(np.float32)).T)
+    assert engine.runner.model.layers[0].gate_up.kernel.int8_weight.group_size == 32  # fused gate + up
+    prompts = [[5, 9, 33, 2, 71, 8, 100, 12], [44, 45, 46]]
+    for prompt, out in zip(prompts, engine.generate(prompts, SamplingParams(max_tokens=8, **GREEDY))):
+        assert list(out.token_ids) == hf_greedy(oracle, prompt, 8)
+    # The same folder unquantized: the decoded values, the sidecar file ignored.
+    plain = LLMEngine(EngineConfig.from_dict({"model": str(converted), "dtype": "float32", "kv_cache_memory": 1 << 22}))
+    assert plain.runner.model.layers[1].o.kernel is None or not hasattr(plain.runner.model.layers[1].o.kernel,
+                                                                        "int8_weight")
+    assert list(plain.generate(prompts[:1], SamplingParams(max_tokens=8, **GREEDY))[0].token_ids) == hf_greedy(
+        converted, prompts[0], 8)
 
 
 def test_int8_bf16_engine_agrees_with_reference_path(tiny_model_dir):
