@@ -1,7 +1,7 @@
 """Weight-only int8 (`quantization: int8`) against bf16 and fp32 weights, in one invocation.
 
-    python -m bench.int8_weights [--sides bf16,int8,fp32,int8_fp32] [--workload PATH] [--num-requests N]
-                                 [engine flags, e.g. --model DIR]
+    python -m bench.int8_weights [--sides bf16,int8,fp32,int8_fp32] [--rounds N] [--workload PATH]
+                                 [--num-requests N] [engine flags, e.g. --model DIR]
 
 Each side runs in its own child process (so its RSS is its own): dtype and quantization
   bf16 = bfloat16, none;  int8 = bfloat16, int8;  fp32 = float32, none;  int8_fp32 = float32, int8
@@ -12,7 +12,8 @@ and reports:
   (bench/vllm_child.py's latencies(), the figure bench/vllm_peer.py reports);
 * W64 output tok/s: the reference workload (bench/common.py) through LLMEngine.generate, as
   bench/throughput.py runs it.
-The last lines give int8 / bf16 (and int8_fp32 / fp32) for each figure: decode speed-up (>1 is
+With --rounds N the sides run N times, in order and then reversed (ABBA), and each side's best
+figures count (a neighbour's burst slows one run, never speeds one up). The last lines give int8 / bf16 (and int8_fp32 / fp32) for each figure: decode speed-up (>1 is
 faster), W64 ratio, weight-bytes ratio. Run it through /tmp/benchhi.sh on a shared host, and compare
 only figures from the same invocation.
 """
@@ -90,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_workload_args(ap)
     add_engine_flags(ap, model="default")
     ap.add_argument("--sides", default="bf16,int8,fp32,int8_fp32", help=f"comma-separated, of {list(SIDES)}")
+    ap.add_argument("--rounds", type=int, default=1, help="runs per side, alternating the order; best counts")
     ap.add_argument("--side", default=None, help=argparse.SUPPRESS)  # one side, in a child process
     args = ap.parse_args(argv)
     for side in args.sides.split(","):
@@ -109,15 +111,23 @@ def main(argv: list[str] | None = None) -> None:
     print(environment_line())
     with open("/proc/loadavg") as f:
         print(f"[host] load average {f.read().split()[0]}")
-    results = {}
-    for side in args.sides.split(","):
-        out = subprocess.run([sys.executable, "-m", "bench.int8_weights", *argv, "--side", side],
-                             check=True, capture_output=True, text=True).stdout
-        results[side] = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
-        r = results[side]
-        print(f"[{side}] weights {r['weight_mib']:.1f} MiB, RSS after load {r['rss_mib']:.0f} MiB, batch-1 decode "
-              f"{r['decode_b1_ms']:.2f} ms/token, W64 {r['w64_tok_s']:.1f} output tok/s ({r['w64_s']:.2f} s)",
-              flush=True)
+    runs: dict[str, list[dict]] = {}
+    sides = args.sides.split(",")
+    for round_ in range(args.rounds):
+        for side in sides if round_ % 2 == 0 else sides[::-1]:
+            out = subprocess.run([sys.executable, "-m", "bench.int8_weights", *argv, "--side", side],
+                                 check=True, capture_output=True, text=True).stdout
+            r = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+            runs.setdefault(side, []).append(r)
+            print(f"[{side}] weights {r['weight_mib']:.1f} MiB, RSS after load {r['rss_mib']:.0f} MiB, batch-1 decode "
+                  f"{r['decode_b1_ms']:.2f} ms/token, W64 {r['w64_tok_s']:.1f} output tok/s ({r['w64_s']:.2f} s)",
+                  flush=True)
+    results = {side: {"weight_mib": rs[0]["weight_mib"], "decode_b1_ms": min(r["decode_b1_ms"] for r in rs),
+                      "w64_tok_s": max(r["w64_tok_s"] for r in rs)} for side, rs in runs.items()}
+    if args.rounds > 1:
+        for side, r in results.items():
+            print(f"[{side}, best of {args.rounds}] batch-1 decode {r['decode_b1_ms']:.2f} ms/token, "
+                  f"W64 {r['w64_tok_s']:.1f} output tok/s")
     for quant, base in (("int8", "bf16"), ("int8_fp32", "fp32")):
         if quant in results and base in results:
             q, b = results[quant], results[base]
