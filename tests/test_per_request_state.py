@@ -17,7 +17,7 @@ import torch
 from pagedserve.core.async_engine import AsyncLLMEngine
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.errors import EngineOverloaded, PagedServeError
-from pagedserve.core.request import Request
+from pagedserve.core.request import Sample
 from pagedserve.core.sampling_params import SamplingParams
 
 ROUNDS = 3
@@ -33,13 +33,20 @@ def per_request_sizes(engine: AsyncLLMEngine) -> dict[str, int]:
         "AsyncLLMEngine.num_unfinished_requests": engine.num_unfinished_requests,
         "AsyncLLMEngine._commands": engine._commands.qsize(),
         "LLMEngine._requests": len(inner._requests),
-        "Scheduler.requests": len(sched.requests),
+        "Scheduler.samples": len(sched.samples),
         "Scheduler.waiting": len(sched.waiting),
         "Scheduler.running": len(sched.running),
         "Scheduler._ended": len(sched._ended),
+        "Scheduler._runner_table_lengths": len(sched._runner_table_lengths),
         "KVCacheManager._samples": len(inner.kv_cache_manager._samples),
         "KVCacheManager used blocks": inner.kv_cache_manager.num_used_blocks,
         "Sampler._cache": len(inner.runner.sampler._cache),
+        # The runner drops a sample when the next step reports it finished (as the sampler does):
+        # those finished in the last step (the flush request) are still there, and only they.
+        "ModelRunner.batch.samples (not reported finished yet)":
+            len(set(inner.runner.batch.samples) - set(sched._finished_since_last_step)),
+        "ModelRunner block table rows in use (beyond those)":
+            int((inner.runner.batch.block_tables.lengths > 0).sum()) - len(inner.runner.batch.samples),
         "StructuredOutputManager._states": len(inner.structured_output._states),
         # Finished samples stay in the deadline heap until their deadline passes (or a compaction).
         "Deadlines._heap (unfinished)": sum(not e[2].status.finished for e in sched.deadlines._heap),
@@ -49,7 +56,7 @@ def per_request_sizes(engine: AsyncLLMEngine) -> dict[str, int]:
 
 def live_request_objects() -> int:
     gc.collect()
-    return sum(isinstance(o, Request) for o in gc.get_objects())
+    return sum(isinstance(o, Sample) for o in gc.get_objects())
 
 
 def test_every_per_request_structure_returns_to_its_baseline(tiny_model_dir):
@@ -133,7 +140,7 @@ def test_every_per_request_structure_returns_to_its_baseline(tiny_model_dir):
         assert sizes[-1]["metric label sets"] == sizes[0]["metric label sets"] <= 8
         # Finished samples still referenced (the last step's finished list, the deadline heap) are
         # bounded; one leaked per request would add ~27 per round.
-        assert objects[-1] <= objects[0] + 4, f"Request objects alive after each round: {objects}"
+        assert objects[-1] <= objects[0] + 4, f"Sample objects alive after each round: {objects}"
         inner.kv_cache_manager.check_invariants()
     finally:
         engine.shutdown()

@@ -15,7 +15,7 @@ import pytest
 from pagedserve.core.config import EngineConfig, SchedulerConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.errors import ConfigError
-from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.request import Sample, SampleStatus
 from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.core.scheduler import Scheduler
 
@@ -48,25 +48,25 @@ NAMES: dict[int, str] = {}
 
 
 def name(scheduled) -> str:
-    """The request_id of a ScheduledRequest (it carries the sample's seq_id only)."""
+    """The request_id of a ScheduledSample (it carries the sample's seq_id only)."""
     return NAMES[scheduled.seq_id]
 
 
-def add(s: Scheduler, rid: str, prompt: list[int], max_tokens: int = 4, at: float | None = None) -> Request:
-    r = Request(request_id=rid, prompt_token_ids=prompt, sampling_params=SamplingParams(ignore_eos=True),
+def add(s: Scheduler, rid: str, prompt: list[int], max_tokens: int = 4, at: float | None = None) -> Sample:
+    r = Sample(request_id=rid, prompt_token_ids=prompt, sampling_params=SamplingParams(ignore_eos=True),
                 eos_token_id=0, max_tokens=max_tokens)
     if at is not None:
         r.arrival_time = at
     NAMES[r.seq_id] = rid
-    s.add_request(r)
+    s.add_sample(r)
     return r
 
 
 def step(s: Scheduler, token: int = 5):
     out = s.schedule()
     assert out.num_batched_tokens <= s.config.max_num_batched_tokens
-    assert len(out.requests) <= s.config.max_num_seqs
-    s.update_from_output(out, {r.seq_id: token for r in out.requests if r.sample})
+    assert len(out.scheduled) <= s.config.max_num_seqs
+    s.update_from_output(out, {r.seq_id: token for r in out.scheduled if r.sample})
     s.kv.check_invariants()
     return out
 
@@ -106,7 +106,7 @@ def test_invariants_hold_on_a_random_shared_prefix_workload(policy):
         assert steps < 5000
         for seq_id in out.preempted_seq_ids:
             next_pos[NAMES[seq_id]] = 0
-        for sr in out.requests:
+        for sr in out.scheduled:
             rid = name(sr)
             r = reqs[rid]
             # a start past next_pos is a prefix hit; it must be block-aligned and inside the prompt
@@ -115,7 +115,7 @@ def test_invariants_hold_on_a_random_shared_prefix_workload(policy):
                 assert sr.start_position % 4 == 0 and sr.start_position < r.num_prompt_tokens
             next_pos[rid] = sr.start_position + len(sr.token_ids)
     for r in reqs.values():
-        assert r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == r.max_tokens
+        assert r.status == SampleStatus.FINISHED_LENGTH and r.num_output_tokens == r.max_tokens
     assert s.kv.num_used_blocks == 0
 
 
@@ -145,7 +145,7 @@ def test_prefix_policy_groups_waiting_requests_by_their_shared_prefix():
         add(s, f"a{i}", a + [9 + i], max_tokens=2)
     order = []
     for out in run_all(s):
-        order += [name(r) for r in out.requests if r.start_position == 0 or name(r) not in order]
+        order += [name(r) for r in out.scheduled if r.start_position == 0 or name(r) not in order]
     first_seen = list(dict.fromkeys(order))
     # a0 warms prefix `a`; the other a-requests (cached prefix) run before any b-request
     assert first_seen[:4] == ["a0", "a1", "a2", "a3"]
@@ -156,7 +156,7 @@ def test_throughput_policy_starts_long_decodes_first():
     s = make("throughput", budget=256, max_num_seqs=1)
     for i, max_tokens in enumerate((2, 9, 5)):
         add(s, f"r{i}", [50 + i] * 6, max_tokens=max_tokens)
-    first_seen = list(dict.fromkeys(name(r) for out in run_all(s) for r in out.requests))
+    first_seen = list(dict.fromkeys(name(r) for out in run_all(s) for r in out.scheduled))
     assert first_seen == ["r1", "r2", "r0"]
 
 
@@ -180,7 +180,7 @@ def test_throughput_projection_counts_shared_prefix_blocks_once():
         add(s, f"r{i}", prefix + [70 + i], max_tokens=3)  # 1 private block each at the end
     out = step(s)
     # 4 shared + 4 private = 8 <= 12: all four start (counting the prefix per request would be 20)
-    assert len(out.requests) == 4 and s.stats.num_waiting == 0
+    assert len(out.scheduled) == 4 and s.stats.num_waiting == 0
 
 
 @pytest.mark.parametrize("policy", ("prefix", "throughput"))
@@ -216,7 +216,7 @@ def test_aged_request_ignores_the_kv_projection_but_not_real_blocks():
     assert late.first_scheduled_time is None
     clock.now = 4.0  # older than the bound: admitted although the projection says no
     step(s)
-    assert late.status == RequestStatus.RUNNING
+    assert late.status == SampleStatus.RUNNING
     run_all(s)  # real block shortage is handled by preemption as always
     assert late.num_output_tokens == 12
 

@@ -1,7 +1,9 @@
 """ModelRunner: SchedulerOutput -> ForwardBatch -> model -> logits -> Sampler.
 
-Owns the model, the paged KV cache tensors and the sampler. Batch metadata is built with numpy
-on the host (a loop per request, never per token) and copied to the device once per step.
+Owns the model, the paged KV cache tensors, the sampler and its persistent batch (core/runner_batch.py:
+each live sample's block tables and output history, kept from the scheduler's step deltas). Batch
+metadata is built with numpy on the host (a loop per sample, never per token or per block) and
+copied to the device once per step.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from pagedserve.core.kv_cache.cache_tensors import KVCacheSpec, allocate_kv_cach
 from pagedserve.core.kv_cache.layout import KVCacheLayout
 from pagedserve.core.models.llama import LlamaDecoder
 from pagedserve.core.outputs import TokenLogprobs
+from pagedserve.core.runner_batch import RunnerBatch, RunnerSample
 from pagedserve.core.sampler import Sampler, compute_logprobs
-from pagedserve.core.step_types import RunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedserve.core.step_types import RunnerOutput, ScheduledSample, SchedulerOutput
 from pagedserve.core.structured_output.manager import GrammarBitmask
 
 
@@ -31,23 +34,32 @@ class ModelRunner:
         self.kv_spec = kv_spec
         self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, self.device, layout)
         self.num_groups = layout.num_groups if layout is not None else 1
+        self.batch = RunnerBatch(self.num_groups, null_block_id=num_blocks)
+        """The samples this runner holds (the null block is the cache tensors' extra row, num_blocks)."""
         self.sampler = Sampler(getattr(model.kernels, "argmax_rows", None))
 
-    def prepare(self, out: SchedulerOutput) -> ForwardBatch:
-        reqs = out.requests
+    def forget_all(self) -> None:
+        """Drop every sample's state (after a failed step: the scheduler has finished them all, and
+        the runner may have missed that step's delta)."""
+        self.batch.clear()
+
+    def prepare(self, scheduled: tuple[ScheduledSample, ...], samples: list[RunnerSample]) -> ForwardBatch:
+        reqs = scheduled
         q_lens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=len(reqs))
         starts = np.fromiter((r.start_position for r in reqs), dtype=np.int64, count=len(reqs))
         query_start_loc = np.zeros(len(reqs) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
         input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=num_tokens)
-        # position of token j = start of its request + (j - first row of its request)
+        # position of token j = start of its sample + (j - first row of its sample)
         positions = np.repeat(starts - query_start_loc[:-1], q_lens) + np.arange(num_tokens)
         seq_lens = starts + q_lens
         row_of_token = np.repeat(np.arange(len(reqs)), q_lens)
-        block_table, slot_mapping = self._cache_indexing([r.block_ids for r in reqs], row_of_token, positions)
-        # Each request needs the logits of its last k rows (k from _num_logits_rows).
-        counts = np.fromiter((self._num_logits_rows(r) for r in reqs), dtype=np.int64, count=len(reqs))
+        rows = np.fromiter((sample.row for sample in samples), dtype=np.int64, count=len(samples))
+        block_table, slot_mapping = self._cache_indexing(rows, 0, row_of_token, positions)
+        # Each sample needs the logits of its last k rows (k from _num_logits_rows).
+        counts = np.fromiter((self._num_logits_rows(r, x) for r, x in zip(reqs, samples)), dtype=np.int64,
+                             count=len(reqs))
         first_out = np.zeros(len(reqs), dtype=np.int64)
         np.cumsum(counts[:-1], out=first_out[1:])
         logits_indices = (np.repeat(query_start_loc[1:] - counts - first_out, counts)
@@ -58,14 +70,14 @@ class ModelRunner:
 
         rope_lengths = None
         if self.model.needs_rope_lengths:
-            prompt_lens = np.fromiter((len(r.prompt_token_ids) for r in reqs), dtype=np.int64, count=len(reqs))
+            prompt_lens = np.fromiter((len(x.static.prompt_token_ids) for x in samples), dtype=np.int64,
+                                      count=len(reqs))
             rope_lengths = dev(np.maximum(np.repeat(prompt_lens, q_lens), positions + 1))
 
         group_tables = ()
         if self.num_groups > 1:
-            group_tables = tuple(
-                tuple(map(dev, self._cache_indexing([r.group_block_ids[g] for r in reqs], row_of_token, positions)))
-                for g in range(self.num_groups - 1))
+            group_tables = tuple(tuple(map(dev, self._cache_indexing(rows, g, row_of_token, positions)))
+                                 for g in range(1, self.num_groups))
         return ForwardBatch(
             input_ids=dev(input_ids),
             positions=dev(positions),
@@ -80,12 +92,10 @@ class ModelRunner:
             group_tables=group_tables,
         )
 
-    def _cache_indexing(self, block_ids: list[tuple[int, ...]], row_of_token: np.ndarray,
+    def _cache_indexing(self, rows: np.ndarray, group: int, row_of_token: np.ndarray,
                         positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """One layer group's block table [B, max_blocks] and the cache slot of every token."""
-        block_table = np.zeros((len(block_ids), max(len(ids) for ids in block_ids)), dtype=np.int32)
-        for i, ids in enumerate(block_ids):
-            block_table[i, : len(ids)] = ids
+        block_table = self.batch.block_tables.gather(rows, group)
         slot_mapping = (
             block_table[row_of_token, positions // self.block_size].astype(np.int64) * self.block_size
             + positions % self.block_size
@@ -93,33 +103,35 @@ class ModelRunner:
         return block_table, slot_mapping
 
     @staticmethod
-    def _wants_prompt_logprobs(r: ScheduledRequest) -> bool:
-        return r.sampling_params.prompt_logprobs is not None and r.start_position < len(r.prompt_token_ids)
+    def _wants_prompt_logprobs(r: ScheduledSample, sample: RunnerSample) -> bool:
+        static = sample.static
+        return static.sampling_params.prompt_logprobs is not None and r.start_position < len(static.prompt_token_ids)
 
-    def _num_logits_rows(self, r: ScheduledRequest) -> int:
-        """How many of the request's last rows need logits: all of them while it scores its prompt
+    def _num_logits_rows(self, r: ScheduledSample, sample: RunnerSample) -> int:
+        """How many of the sample's last rows need logits: all of them while it scores its prompt
         (prompt_logprobs), else its last row when it samples, else none."""
-        if self._wants_prompt_logprobs(r):
+        if self._wants_prompt_logprobs(r, sample):
             return len(r.token_ids)
         return 1 if r.sample else 0
 
     def execute(self, out: SchedulerOutput, grammar: GrammarBitmask | None = None) -> RunnerOutput:
         """Run one step: sampled tokens, their logprobs, and prompt logprobs where asked.
-        grammar: the structured-output token masks of this step's constrained requests."""
+        grammar: the structured-output token masks of this step's constrained samples."""
         self.sampler.forget(out.finished_seq_ids)
+        samples = self.batch.update(out)
         if out.is_empty:
             return RunnerOutput({}, {}, {})
-        batch = self.prepare(out)
+        batch = self.prepare(out.scheduled, samples)
         logits = self.model.forward(batch, self.kv_caches)
         sample_rows, sampling, prompt_logprobs = [], [], {}
         row = 0
-        for r in out.requests:
-            n_rows = self._num_logits_rows(r)
-            if self._wants_prompt_logprobs(r):
-                prompt_logprobs[r.seq_id] = self._prompt_logprobs(r, logits[row : row + n_rows])
+        for r, x in zip(out.scheduled, samples):
+            n_rows = self._num_logits_rows(r, x)
+            if self._wants_prompt_logprobs(r, x):
+                prompt_logprobs[r.seq_id] = self._prompt_logprobs(r, x, logits[row : row + n_rows])
             if r.sample:
                 sample_rows.append(row + n_rows - 1)
-                sampling.append(r)
+                sampling.append(x)
             row += n_rows
         if not sampling:
             return RunnerOutput({}, {}, prompt_logprobs)
@@ -130,21 +142,24 @@ class ModelRunner:
         else:
             sample_logits = logits[torch.tensor(sample_rows, device=logits.device)]
         if grammar is not None:  # before the sampler: sampling and logprobs see the masked logits (as vLLM)
-            grammar.apply(sample_logits, [r.seq_id for r in sampling])
+            grammar.apply(sample_logits, [x.static.seq_id for x in sampling])
         result = self.sampler(
-            sample_logits, [r.seq_id for r in sampling], [r.sampling_params for r in sampling],
-            [r.output_token_ids for r in sampling], [r.prompt_token_ids for r in sampling],
-            [r.eos_token_id for r in sampling],
+            sample_logits, [x.static.seq_id for x in sampling], [x.static.sampling_params for x in sampling],
+            [x.output_token_ids for x in sampling], [x.static.prompt_token_ids for x in sampling],
+            [x.static.eos_token_id for x in sampling],
         )
-        sampled = {r.seq_id: t for r, t in zip(sampling, result.token_ids)}
-        logprobs = {r.seq_id: lp for r, lp in zip(sampling, result.logprobs) if lp is not None}
+        for x, t in zip(sampling, result.token_ids):
+            x.output_token_ids.append(t)  # the runner's own history: the scheduler appends the same token
+        sampled = {x.static.seq_id: t for x, t in zip(sampling, result.token_ids)}
+        logprobs = {x.static.seq_id: lp for x, lp in zip(sampling, result.logprobs) if lp is not None}
         return RunnerOutput(sampled, logprobs, prompt_logprobs)
 
     @staticmethod
-    def _prompt_logprobs(r: ScheduledRequest, logits: torch.Tensor) -> list[TokenLogprobs]:
+    def _prompt_logprobs(r: ScheduledSample, sample: RunnerSample, logits: torch.Tensor) -> list[TokenLogprobs]:
         """Row j scores the prompt token at position start + j + 1 (the next one), if any."""
-        prompt = r.prompt_token_ids
+        prompt = sample.static.prompt_token_ids
         targets = list(prompt[r.start_position + 1 : r.start_position + 1 + logits.shape[0]])
         if not targets:
             return []
-        return compute_logprobs(logits[: len(targets)], targets, [r.sampling_params.prompt_logprobs] * len(targets))
+        num_top = sample.static.sampling_params.prompt_logprobs
+        return compute_logprobs(logits[: len(targets)], targets, [num_top] * len(targets))

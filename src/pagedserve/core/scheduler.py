@@ -10,7 +10,11 @@ The scheduler builds and owns the KV cache manager: the engine asks it, not the 
 request can ever fit, how much is queued, and to reset the cache after a failed step. It decides
 every finish in one place per step (update_from_output): length, EOS, stop tokens, a grammar that
 terminated or that no token can continue, an expired deadline; a stop string, which only the
-output stage can see, is handed back through finish_request, as an abort is.
+output stage can see, is handed back through finish_sample, as an abort is.
+
+Each SchedulerOutput is a delta against what the model runner already holds (core/step_types.py):
+a sample's static data when it is admitted (again, after a preemption), then per step only its
+tokens and the block ids its tables gained, so a step costs O(batch), not O(context).
 """
 
 from __future__ import annotations
@@ -24,9 +28,9 @@ from pagedserve.core.config import SchedulerConfig
 from pagedserve.core.kv_cache.layout import KVCacheLayout
 from pagedserve.core.kv_cache.manager import KVCacheManager
 from pagedserve.core.limits import Deadlines
-from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.request import Sample, SampleStatus
 from pagedserve.core.scheduling_policy import Admission, make_policy
-from pagedserve.core.step_types import ScheduledRequest, SchedulerOutput, StepResult, StepUpdate
+from pagedserve.core.step_types import NewSample, ScheduledSample, SchedulerOutput, StepResult, StepUpdate
 from pagedserve.core.structured_output.manager import GrammarBitmask, StructuredOutputManager, StructuredStep
 
 
@@ -61,31 +65,34 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, layout, max_chunk_tokens)
         self.structured_output = structured_output
         self.deadlines = Deadlines()
-        self._ended: list[Request] = []  # finished since the last update without a token of theirs
+        self._ended: list[Sample] = []  # finished since the last update without a token of theirs
         self._grammar: StructuredStep | None = None  # this step's masks, for update_from_output
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.requests: dict[int, Request] = {}
+        self.waiting: deque[Sample] = deque()
+        self.running: list[Sample] = []
+        self.samples: dict[int, Sample] = {}
         """seq_id -> live sample: maps a step's seq_ids back to their samples (the samples
         themselves belong to the engine's EngineRequest, core/request.py)."""
         self._finished_since_last_step: list[int] = []
+        self._runner_table_lengths: dict[int, int] = {}
+        """seq_id -> block table entries the runner holds for a running sample (its step deltas
+        send the rest); absent for a sample the runner does not hold: it is sent as new."""
         self.stats = SchedulerStats()
         self.policy = make_policy(config.scheduling_policy, config.scheduling_age_bound_s)
 
-    # -- requests in and out ---------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        self.requests[request.seq_id] = request
+    # -- samples in and out ----------------------------------------------------------------
+    def add_sample(self, request: Sample) -> None:
+        self.samples[request.seq_id] = request
         self.waiting.append(request)
         self.deadlines.add(request)
 
-    def finish_request(self, request: Request, status: RequestStatus,
+    def finish_sample(self, request: Sample, status: SampleStatus,
                        stop_reason: str | int | None = None) -> bool:
         """Finish a live sample from outside (abort, timeout, stop string, grammar) and free its
         blocks at once. Returns False, changing nothing, if it had already finished."""
-        if self.requests.get(request.seq_id) is not request:
+        if self.samples.get(request.seq_id) is not request:
             return False
-        if request.status == RequestStatus.RUNNING:
+        if request.status == SampleStatus.RUNNING:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
@@ -112,7 +119,7 @@ class Scheduler:
     def reset_after_abort_all(self) -> None:
         """After every request was aborted (a failed step): forget every prefix-cache entry (the
         step may have left blocks half written) and check nothing is scheduled or held."""
-        if self.requests or self.waiting or self.running:
+        if self.samples or self.waiting or self.running:
             raise RuntimeError("requests are still scheduled after aborting every request")
         self.deadlines.clear()
         self._ended.clear()
@@ -122,18 +129,18 @@ class Scheduler:
             raise RuntimeError(f"{self.kv.num_used_blocks} KV blocks still in use after aborting every request")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.samples)
 
     # -- one iteration -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         # 0. Samples past their deadline end ("timeout") before anything is scheduled.
         for request in self.deadlines.pop_expired():
-            if self.finish_request(request, RequestStatus.FINISHED_TIMEOUT):
+            if self.finish_sample(request, SampleStatus.FINISHED_TIMEOUT):
                 self._ended.append(request)
         budget = self.config.max_num_batched_tokens
         num_new: dict[int, int] = {}
         """seq_id -> tokens scheduled this step."""
-        preempted: list[Request] = []
+        preempted: list[Sample] = []
 
         # 1. Running requests first, in admission order, so decodes never wait behind prefills.
         i = 0
@@ -158,7 +165,7 @@ class Scheduler:
         #    Samples 2..n of a request wait (without blocking others) until their leader has
         #    computed the prompt, then start from the leader's prompt blocks.
         #    The policy orders the queue and may defer a request or stop admission (fcfs never does).
-        skipped: list[Request] = []
+        skipped: list[Sample] = []
         if not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             reordered = self.policy.order(self.waiting, self.running, self.kv)
             if reordered is not None:
@@ -183,7 +190,7 @@ class Scheduler:
             if request.num_computed_tokens == 0 and not from_leader:
                 self.kv.record_prefix_lookup(request, num_hit_tokens)  # once, on admission
             request.num_computed_tokens += num_hit_tokens
-            request.status = RequestStatus.RUNNING
+            request.status = SampleStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_hit_tokens
@@ -192,63 +199,66 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(skipped))
 
-        scheduled = tuple(self._scheduled(r, num_new[r.seq_id]) for r in self.running if r.seq_id in num_new)
+        new_samples: list[NewSample] = []
+        scheduled = tuple(self._scheduled(r, num_new[r.seq_id], new_samples) for r in self.running
+                          if r.seq_id in num_new)
         total = sum(num_new.values())
-        if scheduled or self.requests:  # a step with nothing left to run (all just timed out) is none
+        if scheduled or self.samples:  # a step with nothing left to run (all just timed out) is none
             self.stats.num_steps_total += 1
         finished, self._finished_since_last_step = tuple(self._finished_since_last_step), []
         self._refresh_stats()
-        return SchedulerOutput(scheduled, total, tuple(r.seq_id for r in preempted), finished)
+        return SchedulerOutput(tuple(new_samples), scheduled, total, tuple(r.seq_id for r in preempted), finished)
 
     @staticmethod
-    def _waits_for_leader(request: Request) -> bool:
+    def _waits_for_leader(request: Sample) -> bool:
         leader = request.prompt_leader
         return (leader is not None and not leader.status.finished
                 and leader.num_computed_tokens < leader.num_prompt_tokens)
 
-    def _reusable_blocks(self, request: Request):
+    def _reusable_blocks(self, request: Sample):
         """KV blocks a newly admitted request can start from: its leader's prompt blocks when it is
         a sample of an n > 1 request whose leader is running, else prefix-cache hits.
         Returns (blocks, their tokens, whether they came from the leader)."""
         if request.num_computed_tokens != 0:
             return [], 0, False
         leader = request.prompt_leader
-        if leader is not None and leader.status == RequestStatus.RUNNING:
+        if leader is not None and leader.status == SampleStatus.RUNNING:
             blocks, num_tokens = self.kv.get_shared_prompt_blocks(leader, request)
             # A sliding-window group may have freed what the sample needs: try the prefix cache then.
             if num_tokens or self.kv.null_block is None:
                 return blocks, num_tokens, True
         return (*self.kv.get_computed_blocks(request), False)
 
-    def _num_tokens_to_compute(self, request: Request, budget: int, already: int = 0) -> int:
+    def _num_tokens_to_compute(self, request: Sample, budget: int, already: int = 0) -> int:
         n = request.num_tokens - request.num_computed_tokens - already
         if self.config.long_prefill_token_threshold is not None:
             n = min(n, self.config.long_prefill_token_threshold)
         return max(min(n, budget), 0)
 
-    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, request: Sample, n: int, new_samples: list[NewSample]) -> ScheduledSample:
+        """The sample's step delta for the runner; its static data goes to new_samples first if the
+        runner does not hold it (admitted now, or back after a preemption)."""
+        known = self._runner_table_lengths.get(request.seq_id)
+        if known is None:
+            new_samples.append(NewSample(request.seq_id, request.prompt_token_ids, request.sampling_params,
+                                         request.eos_token_id, tuple(request.output_token_ids)))
+            known = 0
+        new_block_ids, num_null, self._runner_table_lengths[request.seq_id] = self.kv.table_delta(request, known)
         start = request.num_computed_tokens
-        return ScheduledRequest(
+        return ScheduledSample(
             seq_id=request.seq_id,
             token_ids=tuple(request.token_ids_slice(start, start + n)),
             start_position=start,
-            block_ids=tuple(self.kv.get_block_ids(request)),
-            group_block_ids=() if self.kv.num_groups == 1 else self._group_block_ids(request),
             sample=start + n == request.num_tokens,
-            sampling_params=request.sampling_params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=tuple(request.output_token_ids),
-            eos_token_id=request.eos_token_id,
+            new_block_ids=new_block_ids,
+            num_null_blocks=num_null,
         )
 
-    def _group_block_ids(self, request: Request) -> tuple[tuple[int, ...], ...]:
-        """Block ids of layer groups 1.. (a model with one group has none: no extra work per step)."""
-        return tuple(tuple(ids) for ids in self.kv.get_group_block_ids(request)[1:])
-
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Sample) -> None:
         self.kv.free(request)
+        self._runner_table_lengths.pop(request.seq_id, None)  # the runner drops it too (preempted_seq_ids)
         request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
+        request.status = SampleStatus.PREEMPTED
         request.num_preemptions += 1
         self.stats.num_preemptions_total += 1
         self.waiting.appendleft(request)
@@ -258,7 +268,11 @@ class Scheduler:
         """The token masks of this step's constrained samples, or None when none samples; their
         grammars accept the sampled tokens in update_from_output."""
         so = self.structured_output
-        self._grammar = so.prepare(scheduler_output) if so is not None else None
+        if so is None:
+            self._grammar = None
+        else:  # the samples that sample this step, looked up only when some sample has a grammar
+            sampling = (self.samples[s.seq_id] for s in scheduler_output.scheduled if s.sample)
+            self._grammar = so.prepare(sampling, scheduler_output.finished_seq_ids)
         return self._grammar.bitmask if self._grammar is not None else None
 
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[int, int]) -> StepResult:
@@ -276,10 +290,10 @@ class Scheduler:
                 # A grammar that accepted its stop token is complete: the sample stops there, even
                 # where the token rules would go on (ignore_eos, a second EOS id).
                 if request.seq_id in grammar.terminated:
-                    self.finish_request(request, RequestStatus.FINISHED_STOPPED)
+                    self.finish_sample(request, SampleStatus.FINISHED_STOPPED)
             for seq_id in grammar.unsatisfiable:  # no token fits the constraint: end it, say why
-                request = self.requests.get(seq_id)
-                if request is not None and self.finish_request(request, RequestStatus.FINISHED_UNSATISFIABLE):
+                request = self.samples.get(seq_id)
+                if request is not None and self.finish_sample(request, SampleStatus.FINISHED_UNSATISFIABLE):
                     self._ended.append(request)
         ended, self._ended = self._ended, []
         return StepResult(updates, ended)
@@ -287,8 +301,8 @@ class Scheduler:
     def _apply_tokens(self, scheduler_output: SchedulerOutput, sampled: dict[int, int]) -> list[StepUpdate]:
         """Advance computed tokens, append sampled tokens, apply the token-level stop rules."""
         outputs: list[StepUpdate] = []
-        for sched in scheduler_output.requests:
-            request = self.requests[sched.seq_id]
+        for sched in scheduler_output.scheduled:
+            request = self.samples[sched.seq_id]
             n = len(sched.token_ids)
             self.stats.num_computed_prompt_tokens_total += max(
                 0, min(request.num_prompt_tokens, sched.start_position + n) - sched.start_position
@@ -310,23 +324,24 @@ class Scheduler:
         self._refresh_stats()
         return outputs
 
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+    def _check_stop(self, request: Sample, token: int) -> SampleStatus | None:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
             if token == request.eos_token_id and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
+                return SampleStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:
                 request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
+                return SampleStatus.FINISHED_STOPPED
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
+            return SampleStatus.FINISHED_LENGTH
         return None
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def _finish(self, request: Sample, status: SampleStatus) -> None:
         request.status = status
         self.kv.free(request)
         self.kv.forget(request)
-        del self.requests[request.seq_id]
+        self._runner_table_lengths.pop(request.seq_id, None)
+        del self.samples[request.seq_id]
         self._finished_since_last_step.append(request.seq_id)
 
     def _refresh_stats(self) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,15 +117,16 @@ class StructuredOutputManager:
             self._states.pop(seq_id, None)
 
     # -- one step ------------------------------------------------------------------------------
-    def prepare(self, scheduler_output: Any) -> StructuredStep | None:
-        """The bitmask rows of the constrained requests that sample this step, or None if none does.
-        scheduler_output: a SchedulerOutput (its requests' seq_id, sample, output_token_ids,
-        sampling_params, eos_token_id are read; finished_seq_ids drop their states)."""
+    def prepare(self, sampling: Iterable[Any], finished_seq_ids: Sequence[int]) -> StructuredStep | None:
+        """The bitmask rows of the constrained samples that sample this step, or None if none does.
+        sampling: the samples (core.request.Sample) that sample this step (their seq_id,
+        output_token_ids, sampling_params, eos_token_id are read; iterated only when some sample
+        has a grammar); finished_seq_ids: samples finished since the last step, whose states drop."""
         if self._states:
-            self.forget(scheduler_output.finished_seq_ids)
+            self.forget(finished_seq_ids)
         if not self._states:
             return None
-        constrained = [r for r in scheduler_output.requests if r.sample and r.seq_id in self._states]
+        constrained = [r for r in sampling if r.seq_id in self._states]
         if not constrained:
             return None
         t0 = time.perf_counter()
