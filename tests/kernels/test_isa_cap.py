@@ -16,7 +16,7 @@ from pagedserve.kernels.cpu import isa
 PROBE = """
 import json, torch
 from pagedserve.core.engine import resolve_dtype
-from pagedserve.kernels.cpu import linear
+from pagedserve.kernels.cpu import int8_linear, linear
 from pagedserve.kernels.cpu.build import load_extension
 ext = load_extension()
 print(json.dumps({
@@ -26,6 +26,8 @@ print(json.dumps({
     "fp32_kernel": getattr(linear.prepack_linear(torch.randn(64, 32)), "kernel", None) and
                    linear.prepack_linear(torch.randn(64, 32)).kernel.run,
     "auto_dtype": str(resolve_dtype("auto", torch.device("cpu"))),
+    "int8_bf16": int8_linear.kernel_for(torch.bfloat16), "int8_fp32": int8_linear.kernel_for(torch.float32),
+    "int8_dot": bool(ext.int8_dot_native()),
 }))
 """
 
@@ -56,6 +58,9 @@ def test_avx2_cap_takes_the_choices_of_a_cpu_without_avx512(uncapped):
     assert got["bf16_kernels"] == []  # no AVX-512: bf16 layers keep torch's matmul
     assert got["fp32_kernel"] == ("avx2_fp32_linear" if uncapped["avx2"] else None)
     assert got["auto_dtype"] == "torch.float32"
+    # int8 weights: fp32 math on AVX2 for either activation dtype, never the vdpbf16ps kernel.
+    avx2_int8 = "int8_avx2_linear" if uncapped["avx2"] else None
+    assert got["int8_bf16"] == got["int8_fp32"] == avx2_int8 and not got["int8_dot"]
 
 
 @pytest.mark.skipif("avx512f" not in flags(), reason="this CPU has no AVX-512")
@@ -65,6 +70,7 @@ def test_avx512_cap_takes_the_choices_of_a_cpu_without_bf16_instructions(uncappe
     assert got["auto_dtype"] == "torch.float32"
     if uncapped["avx512"]:
         assert got["fp32_kernel"] == "fp32_linear"
+    assert got["int8_bf16"] == ("int8_avx2_linear" if uncapped["avx2"] else None) and not got["int8_dot"]
 
 
 @pytest.mark.skipif("avx512_bf16" not in flags(), reason="this CPU has no AVX512-BF16")
@@ -72,6 +78,7 @@ def test_avx512_bf16_cap_keeps_bf16_dot_products_and_drops_amx(uncapped):
     got = probe("avx512_bf16")
     assert got["native_bf16"] and got["dot"] and not got["amx"]
     assert got["auto_dtype"] == "torch.bfloat16"
+    assert got["int8_bf16"] == "int8_dot_linear" and got["int8_dot"]
 
 
 def test_no_cap_is_what_the_cpu_has(uncapped):

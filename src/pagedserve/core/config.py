@@ -24,6 +24,8 @@ DTYPE_ALIASES = {
 ATTENTION_BACKENDS = ("auto", "cpu", "reference", "triton")
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 SCHEDULING_POLICIES = ("fcfs", "prefix", "throughput")
+QUANTIZATIONS = ("int8",)
+"""Weight quantizations `quantization` accepts (vLLM's flag name); None (unset) keeps the checkpoint's."""
 
 
 def check_kv_cache_dtype(name: str) -> None:
@@ -46,6 +48,10 @@ class ModelConfig:
     """auto (triton kernels on CUDA; on CPU the C++ kernels, or reference if they cannot be built),
     cpu (C++ kernels, an error if they cannot be built), reference (pure torch), triton."""
     seed: int = 0
+    quantization: str | None = None
+    """None (the checkpoint's weights as loaded), or int8: weight-only int8, per output channel, made
+    at load from a bf16/fp32 checkpoint (GGUF Q8_0 weights stay as stored); CPU only
+    (docs/quantization.md)."""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -60,6 +66,12 @@ class ModelConfig:
                 f"attention_backend={self.attention_backend!r} is not supported; use one of {ATTENTION_BACKENDS}"
             )
         check_range(ConfigError, "max_model_len", self.max_model_len, 1)
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization={self.quantization!r} is not supported; use one of "
+                              f"{list(QUANTIZATIONS)}, or leave it unset (null) for unquantized weights")
+        if self.quantization is not None and self.device.startswith("cuda"):
+            raise ConfigError(f"quantization={self.quantization!r} runs on CPU only (device {self.device!r}); "
+                              "set device to cpu, or leave quantization unset")
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,11 @@ class LLMEngine:
             bound_onednn_caches()  # before the first oneDNN primitive: packing the weights
         kernels = select_attention_backend(mc.attention_backend, self.device)
         mark("kernels")
-        model = load_decoder(self.model_path, self.arch, self.dtype, self.device, self.max_model_len, kernels)
+        if mc.quantization is not None and self.device.type != "cpu":
+            raise ConfigError(f"quantization={mc.quantization!r} runs on CPU only (device resolved to "
+                              f"{self.device}); set device to cpu, or leave quantization unset")
+        model = load_decoder(self.model_path, self.arch, self.dtype, self.device, self.max_model_len, kernels,
+                             mc.quantization)
         mark("weights")
         # Layer groups (sliding-window layers keep only their window): core/kv_cache/layout.py.
         self.kv_layout = layout = make_kv_cache_layout(self.arch.sliding_windows,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # imported when used: a command's --help needs no engine module
     from pagedserve.core.config import EngineConfig
 
-ENGINE_FLAGS = ("model", "dtype", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+ENGINE_FLAGS = ("model", "dtype", "quantization", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                 "kv_cache_memory", "max_waiting_requests", "max_waiting_prompt_tokens", "request_timeout",
                 "max_request_bytes", "drain_timeout", "record_workload")
 """EngineConfig keys that have a flag (--max-num-seqs sets max_num_seqs)."""
@@ -24,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     only what the user gives overrides the file or core/config.py's defaults."""
     p.add_argument("--model", default=None, help='local HF directory, or "default" (embedded SmolLM2-135M)')
     p.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16, float16")
+    p.add_argument("--quantization", default=None,
+                   help="int8: weight-only int8 linear layers on CPU, made at load (default: unquantized)")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)

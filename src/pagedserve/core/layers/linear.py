@@ -8,6 +8,12 @@ the same at 1024 (packed for 64 rows; packing for 1, 16, 256 or 1024 rows measur
 fp32 weights are not repacked for oneDNN: its packed fp32 path and MKL's packed GEMM (packed for
 one batch size only) measured no faster than F.linear. The plain weight is dropped once packed.
 
+With `int8=True` (`quantization: int8`), or given an Int8Weight (a GGUF Q8_0 tensor kept
+quantized), the layer holds int8 codes and scales instead (kernels/reference/int8_linear.py):
+`prepack_int8` (pagedserve.kernels.cpu.prepack_int8_linear) packs them for its kernel, else the torch
+reference computes the layer. Either way the call is the same, so whatever the model adds after a
+projection (a LoRA delta, a bias) works unchanged.
+
 A kernel backend may do better still: `prepack` (pagedserve.kernels.cpu.linear.prepack_linear: bf16
 on AMX or AVX-512, fp32 on AVX-512) gets the weight first and, when it returns a function, that function
 computes the layer and neither the plain nor the oneDNN copy is kept.
@@ -21,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from pagedserve.kernels.reference.int8_linear import Int8Weight, quantize_per_channel, reference_int8_linear
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +60,23 @@ class Linear:
 
     __slots__ = ("weight", "bias", "packed", "kernel", "in_features", "out_features")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
-                 prepack: Callable[[torch.Tensor], Callable | None] | None = None) -> None:
-        self.out_features, self.in_features = weight.shape
+    def __init__(self, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None, pack: bool = True,
+                 prepack: Callable[[torch.Tensor], Callable | None] | None = None, int8: bool = False,
+                 prepack_int8: Callable[[Int8Weight, torch.dtype], Callable | None] | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        """int8: quantize `weight` per output channel (or `weight` is an Int8Weight already; `dtype`,
+        the model's, is then the activations' dtype)."""
         self.bias = bias
         self.packed: torch.Tensor | None = None
+        if int8 or isinstance(weight, Int8Weight):
+            quantized = weight if isinstance(weight, Int8Weight) else quantize_per_channel(weight)
+            act_dtype = dtype or (weight.dtype if isinstance(weight, torch.Tensor) else torch.float32)
+            self.out_features, self.in_features = quantized.qweight.shape
+            self.weight = None
+            self.kernel = ((prepack_int8(quantized, act_dtype) if pack and prepack_int8 is not None else None)
+                           or reference_int8_linear(quantized, act_dtype))
+            return
+        self.out_features, self.in_features = weight.shape
         self.weight: torch.Tensor | None = weight
         # kernel(x, bias): the backend's own packed layer, when it took this weight.
         self.kernel = prepack(weight) if pack and prepack is not None else None

@@ -64,13 +64,16 @@ class LayerWeights:
 class LlamaDecoder:
     def __init__(self, arch: ModelArch, embed: torch.Tensor, layers: list[LayerWeights],
                  norm: torch.Tensor, lm_head: torch.Tensor, max_position: int,
-                 kernels: ModuleType) -> None:
-        """kernels: the backend module (pagedserve.kernels.cpu / .triton / .reference)."""
+                 kernels: ModuleType, int8_lm_head: bool = False) -> None:
+        """kernels: the backend module (pagedserve.kernels.cpu / .triton / .reference); int8_lm_head:
+        the LM head's weight quantized to int8 (`quantization: int8`; a tied embedding then reads its
+        rows back from the same codes)."""
         self.arch = arch
         self.embed = embed
         self.layers = layers
         self.norm = norm
-        whole = Linear(lm_head, prepack=getattr(kernels, "prepack_linear", None))
+        whole = Linear(lm_head, prepack=getattr(kernels, "prepack_linear", None), int8=int8_lm_head,
+                       prepack_int8=getattr(kernels, "prepack_int8_linear", None), dtype=embed.dtype)
         if whole.packed is None and whole.kernel is None and embed.device.type == "cpu":
             self.lm_head = [Linear(w) for w in lm_head.split(CPU_LM_HEAD_SLICE)]
         else:

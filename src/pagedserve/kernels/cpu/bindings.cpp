@@ -63,4 +63,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
   m.def("bf16_packed_rows", &bf16_packed_rows, "Rows ids of the weight bf16_pack_weight packed ([len(ids), in]).",
         py::arg("packed"), py::arg("ids"), py::arg("in_features"));
+  m.def("int8_dot_native", &int8_dot_native,
+        "Whether int8_dot_linear runs AVX512-BF16's dot product here (else an emulation of it, for tests).");
+  m.def("int8_pack_weight", &int8_pack_weight, "An int8 [out, in] weight in the int8 kernels' panel layout.",
+        py::arg("weight"));
+  m.def("int8_dot_linear", &int8_dot_linear,
+        "x @ (q * scales)^T (+ bias) for bf16 x over int8 weights widened to bf16 pairs (vdpbf16ps) on AVX-512.",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("out_features"),
+        py::arg("group_size"));
+  m.def("int8_avx2_linear", &int8_avx2_linear,
+        "x @ (q * scales)^T (+ bias) for fp32 or bf16 x over int8 weights in fp32 math on AVX2 with FMA.",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("out_features"),
+        py::arg("group_size"));
 }

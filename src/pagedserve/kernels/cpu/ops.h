@@ -69,4 +69,12 @@ torch::Tensor bf16_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t 
 torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                               int64_t out_features);  // over bf16_pack_weight's layout
 
+// int8_linear.cpp: weight-only int8 (q [N, K] int8, scales float32 [K / group_size, N])
+bool int8_dot_native();  // int8_dot_linear uses vdpbf16ps (AVX512-BF16), not its emulation
+torch::Tensor int8_pack_weight(torch::Tensor weight);
+torch::Tensor int8_dot_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                              c10::optional<torch::Tensor> bias, int64_t out_features, int64_t group_size);
+torch::Tensor int8_avx2_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                               c10::optional<torch::Tensor> bias, int64_t out_features, int64_t group_size);
+
 }  // namespace pagedserve

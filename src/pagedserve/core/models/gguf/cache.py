@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 # Bump when the converted layout changes (names, dtype, files): old cache folders are then ignored.
-CONVERTER_FORMAT_VERSION = 1
+CONVERTER_FORMAT_VERSION = 2  # 2: Q8_0 projections also kept undecoded (convert.py: Q8_0_FILE)
 CACHE_ENV = "PAGEDSERVE_CACHE_DIR"
 
 

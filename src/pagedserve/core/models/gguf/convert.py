@@ -6,12 +6,23 @@ import json
 from pathlib import Path
 
 from pagedserve.core.errors import UnsupportedModel
-from pagedserve.core.models.gguf.dequant import check_type, dequantize
+from pagedserve.core.models.gguf.dequant import check_type, dequantize, q8_0_blocks
 from pagedserve.core.models.gguf.hf_config import build_config
 from pagedserve.core.models.gguf.metadata import CorruptModelFile, architecture, open_gguf
 from pagedserve.core.models.gguf.names import CONFIG_TENSORS, hf_name
 from pagedserve.core.models.gguf.tokenizer import write_tokenizer
 from pagedserve.core.models.gguf.transforms import to_hf_values
+
+
+Q8_0_FILE = "gguf-q8_0-blocks.st"
+"""Beside model.safetensors: the Q8_0 decoder projections undecoded, `<HF name>.codes` (int8) and
+`<HF name>.scales` (fp16 per 32 values), for `quantization: int8` (core/models/loader.py). Not named
+*.safetensors: the folder stays a plain HF checkpoint that transformers and the loader read as one."""
+
+
+def is_projection(hf_tensor_name: str) -> bool:
+    """A decoder projection (q/k/v/o, gate/up/down, Phi-3's fused ones): what keeps Q8_0 blocks."""
+    return hf_tensor_name.startswith("model.layers.") and hf_tensor_name.endswith("_proj.weight")
 
 
 def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True,
@@ -37,7 +48,7 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True,
     for tensor in weights:
         check_type(tensor)
 
-    out = {}
+    out, blocks = {}, {}
     label = f"Converting {gguf_path.name}"
     for tensor in tqdm(weights, desc=label, unit="tensor", disable=not progress):
         try:
@@ -47,8 +58,16 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True,
         except Exception as exc:  # malformed block data surfaces here as a numpy error
             raise CorruptModelFile(f"{gguf_path}: tensor {tensor.name!r} cannot be decoded ({exc})") from exc
         out[names[tensor.name]] = np.ascontiguousarray(to_hf_values(arch, tensor.name, values, config))
+        if tensor.tensor_type.name == "Q8_0" and is_projection(names[tensor.name]):
+            # Rows permuted as the values are (llama's q/k), codes and their scales alike.
+            codes, scales = q8_0_blocks(tensor)
+            blocks[names[tensor.name] + ".codes"] = np.ascontiguousarray(to_hf_values(arch, tensor.name, codes, config))
+            blocks[names[tensor.name] + ".scales"] = np.ascontiguousarray(to_hf_values(arch, tensor.name, scales, config))
     save_file(out, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del out
+    if blocks:
+        save_file(blocks, str(out_dir / Q8_0_FILE), metadata={"format": "pt"})
+    del blocks
 
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}

@@ -43,3 +43,16 @@ def dequantize(tensor) -> np.ndarray:
     if values.size != int(np.prod(shape)):
         raise UnsupportedModel(f"GGUF tensor {tensor.name!r} dequantized to {values.size} values, expected {shape}")
     return values.reshape(shape)
+
+
+Q8_0_BLOCK_BYTES = 34  # one fp16 scale, then 32 int8 codes
+
+
+def q8_0_blocks(tensor) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 matrix as stored, undecoded: (codes int8 [out, in], scales float16 [out, in / 32]), so
+    `quantization: int8` can keep its blocks as they are (kernels/reference/int8_linear.py: from_q8_0)."""
+    out_features, in_features = (int(d) for d in reversed(tensor.shape))
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(out_features, in_features // 32, Q8_0_BLOCK_BYTES)
+    scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16).reshape(out_features, in_features // 32)
+    codes = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(out_features, in_features)
+    return codes, scales
