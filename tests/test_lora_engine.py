@@ -63,9 +63,10 @@ def expected(base, adapters, prompt, name) -> list[int]:
     return peft_greedy(base, adapters[name], prompt, MAX_TOKENS)
 
 
-def test_mixed_batch_matches_peft_and_solo_runs(qwen3):
+@pytest.mark.parametrize("backend", ["auto", "reference"])  # the C++ lora_add (AVX-512) and the torch one
+def test_mixed_batch_matches_peft_and_solo_runs(qwen3, backend):
     base, adapters = qwen3
-    engine = make_engine(base, adapters)
+    engine = make_engine(base, adapters, attention_backend=backend)
     requests = mixed_requests()
     first_step_adapters = []
     mixed = run(engine, requests, on_step=lambda e: first_step_adapters.append(e.lora_stats().running))
@@ -133,3 +134,22 @@ def test_removed_adapter_finishes_its_requests_and_takes_no_more(qwen3):
     # Loaded again (a new adapter as far as the engine is concerned): same tokens as PEFT.
     engine.add_lora("again", str(adapters["all"]))
     assert run(engine, [(PROMPTS[0], "again")]) == [expected(base, adapters, PROMPTS[0], "all")]
+
+
+def test_phi3_fused_modules_and_the_benchmark_adapter_match_peft(tiny_model_dir, tmp_path):
+    """Phi-3's adapters target its fused qkv_proj / gate_up_proj; bench/lora.py writes its random
+    adapters without PEFT, and PEFT must read them as the engine does."""
+    from bench.lora import write_random_adapter
+
+    base = tiny_model_dir("phi3")
+    fused = make_adapter(base, tmp_path / "fused", r=8, alpha=8, seed=4,
+                         targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    engine = make_engine(base, {"fused": fused}, max_loras=2)
+    written = write_random_adapter(tmp_path / "written", engine.arch, rank=16, seed=5)
+    engine.add_lora("written", str(written))
+    prompts = [(list(PROMPTS[0]), "fused"), (list(PROMPTS[0]), "written"), (list(PROMPTS[0]), None)]
+    got = run(engine, prompts)
+    assert got[0] == peft_greedy(base, fused, PROMPTS[0], MAX_TOKENS)
+    assert got[1] == peft_greedy(base, written, PROMPTS[0], MAX_TOKENS)
+    assert got[2] == hf_greedy(base, PROMPTS[0], MAX_TOKENS)
+    assert len({tuple(t) for t in got}) == 3

@@ -48,10 +48,15 @@ class ProjectionShape:
 
 
 def projection_shapes(arch: ModelArch) -> dict[str, ProjectionShape]:
+    """The parts an adapter may change separately: q, k, v and gate, up; Phi-3's adapters change
+    its fused qkv_proj and gate_up_proj whole, so there each is one part."""
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     h, i = arch.hidden_size, arch.intermediate_size
-    return {"qkv": ProjectionShape(h, ((0, q), (q, kv), (q + kv, kv))), "o": ProjectionShape(q, ((0, h),)),
-            "gate_up": ProjectionShape(h, ((0, i), (i, i))), "down": ProjectionShape(i, ((0, h),))}
+    qkv, gate_up = ((0, q), (q, kv), (q + kv, kv)), ((0, i), (i, i))
+    if arch.fused_checkpoint:
+        qkv, gate_up = ((0, q + 2 * kv),), ((0, 2 * i),)
+    return {"qkv": ProjectionShape(h, qkv), "o": ProjectionShape(q, ((0, h),)),
+            "gate_up": ProjectionShape(h, gate_up), "down": ProjectionShape(i, ((0, h),))}
 
 
 @dataclass(frozen=True)
