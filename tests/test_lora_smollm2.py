@@ -43,8 +43,11 @@ def test_two_adapters_and_base_in_one_batch_match_peft(tmp_path):
         if first:
             assert engine.lora_stats().running == ("all", "attn")  # both adapters and the base in one step
             first = False
+    changed = set()
     for (prompt, name), rid in zip(requests, ids):
         want = hf_greedy(base, prompt, MAX_TOKENS) if name is None else peft_greedy(base, adapters[name], prompt,
                                                                                       MAX_TOKENS)
         assert tokens[rid] == want, (name, engine.tokenizer.decode(prompt))
-    assert tokens[ids[0]] != hf_greedy(base, prompts[0], MAX_TOKENS)  # the adapter changes the text
+        if tokens[rid] != hf_greedy(base, prompt, MAX_TOKENS):
+            changed.add(name)
+    assert changed == {"all", "attn"}  # each adapter changes some text (else the test proves nothing)
