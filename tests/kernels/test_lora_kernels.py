@@ -86,3 +86,19 @@ def test_cpu_kernel_equals_the_reference(rows, shape, slots, dtype):
     else:  # the reference rounds its shrink to bf16 before the expand; C++ keeps it fp32
         torch.testing.assert_close(y.float(), expect.float(), rtol=2e-2, atol=0.25)
     assert torch.equal(y[token_slots == -1], expect[token_slots == -1])
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_cpu_wrapper_needs_no_groups(monkeypatch, native):
+    """The runner passes groups=None where the C++ kernel runs; the wrapper's fallback (no AVX-512)
+    builds them itself."""
+    from pagedserve.kernels.cpu import lora as cpu_lora
+
+    if native and not cpu_lora.native_available():
+        pytest.skip("the C++ lora_add needs AVX-512")
+    monkeypatch.setattr(cpu_lora, "native_available", lambda: native)
+    y, x, a, b, token_slots = case(9, SLOT_MIXES[0], (0, 32, 48, 64), 48, torch.float32, seed=3)
+    expect = by_rows(y, x, a, b, token_slots)
+    cpu_lora.lora_add(y, x, a, b, token_slots, None, (0, 32, 48, 64))
+    torch.testing.assert_close(y.double(), expect, rtol=1e-5, atol=1e-4)
+    assert cpu_lora.lora_needs_groups() is not native

@@ -34,16 +34,17 @@ class LoRABatch:
     """Per layer: projection -> (stacked A, stacked B)."""
     token_slots: torch.Tensor
     """int32 [num_tokens]: the slot of each row, -1 for the base model."""
-    groups: dict[str, SlotGroups]
-    """Per projection some adapter of the step changes: the rows of each slot that changes it."""
+    groups: dict[str, SlotGroups | None]
+    """Per projection some adapter of the step changes: the rows of each slot that changes it
+    (None where the backend's lora_add reads token_slots alone: kernels/cpu/lora.py)."""
     kernel: Callable[..., None]
     out_slices: dict[str, tuple[int, ...]]
     """Per projection: where each part's output rows start, and the end (kernels/reference/lora.py)."""
 
     def add(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += each row's adapter update of `projection` in `layer` for input x (in place)."""
-        groups = self.groups.get(projection)
-        if groups is not None:
+        if projection in self.groups:
+            groups = self.groups[projection]
             a, b = self.weights[layer][projection]
             self.kernel(y, x, a, b, self.token_slots, groups, self.out_slices[projection])
 
@@ -57,6 +58,8 @@ class LoRASlots:
         self.dtype, self.device = dtype, device
         self.load = load
         self.kernel = getattr(kernels, "lora_add", reference_lora_add)
+        needs_groups = getattr(kernels, "lora_needs_groups", None)
+        self.needs_groups = needs_groups is None or needs_groups()
         self.out_slices = {p: tuple(o for o, _ in s.slices) + (s.out_features,) for p, s in shapes.items()}
         self.weights = [
             {p: (torch.zeros(max_loras, len(s.slices) * max_rank, s.in_features, dtype=dtype, device=device),
@@ -119,13 +122,15 @@ class LoRASlots:
         where = self.slots_for(present)
         slot_of_request = np.array([where.get(i, -1) for i in lora_ids.tolist()], dtype=np.int32)
         token_slots = torch.from_numpy(np.repeat(slot_of_request, q_lens))
-        groups: dict[str, SlotGroups] = {}
+        groups: dict[str, SlotGroups | None] = {}
         made: dict[tuple[int, ...], SlotGroups] = {}  # projections changed by the same slots share one
         for p in PROJECTIONS:
             slots = tuple(sorted(s for s in where.values() if p in self.projections[s]))
-            if slots and slots not in made:
-                made[slots] = self._on_device(make_slot_groups(token_slots, slots, len(self.resident), self.dtype))
-            if slots:
+            if slots and not self.needs_groups:
+                groups[p] = None
+            elif slots:
+                if slots not in made:
+                    made[slots] = self._on_device(make_slot_groups(token_slots, slots, len(self.resident), self.dtype))
                 groups[p] = made[slots]
         return LoRABatch(self.weights, token_slots.to(self.device), groups, self.kernel, self.out_slices)
 
