@@ -2,11 +2,12 @@
 // (kernels/reference/lora.py is the definition and the oracle). One call per projection does every
 // row: the reference's gather, two batched matmuls, mask and scatter-add cost ~20 us of op overhead
 // each on small decode batches, several times the arithmetic (a rank-16 update is ~5% of a layer's
-// multiply-adds). Here a row's shrink (S*R dot products over `in`) lands in a scratch vector in
-// fp32, and its expand walks each part of a fused projection with only that part's R ranks of B
-// (B is block diagonal: q's outputs read ranks [0, R), k's [R, 2R), ...), 64 outputs at a time in
-// four zmm accumulators. Rows are split across threads; A and B of the few resident adapters stay
-// in L2 across rows. bf16 tensors are widened to fp32 for the math and y rounded once at the end.
+// multiply-adds). Here the rows of one adapter go in blocks of up to 4: their shrink (S*R dot
+// products over `in`) lands in a scratch block in fp32, and their expand walks each part of a
+// fused projection with only that part's R ranks of B (B is block diagonal: q's outputs read ranks
+// [0, R), k's [R, 2R), ...), 64 outputs at a time; every vector of A and B loaded serves the
+// block's 4 rows. Rows are split across threads. bf16 tensors are widened to fp32 for the math
+// and y rounded once at the end.
 
 #include <ATen/Parallel.h>
 
@@ -29,79 +30,107 @@ PAGEDSERVE_INLINE void store16(uint16_t* p, v16sf v) { float_to_bf16x16(v, p); }
 PAGEDSERVE_INLINE void store1(float* p, float v) { *p = v; }
 PAGEDSERVE_INLINE void store1(uint16_t* p, float v) { *p = float_to_bf16(v); }
 
-// shrunk[j] = A[j, :] . x for j < ranks, four rows of A per pass over x.
-template <class T>
-PAGEDSERVE_INLINE void shrink(const T* x, const T* a, int64_t n_in, int64_t ranks, float* shrunk) {
+// shrunk[n][j] = A[j, :] . x_n for the N rows x_n (one adapter) and j < ranks: four rows of A per
+// pass, so each vector of x and of A is loaded once for 4 (or N) multiply-adds.
+template <int N, class T>
+PAGEDSERVE_INLINE void shrink(const T* const* x, const T* a, int64_t n_in, int64_t ranks, float* shrunk) {
   int64_t j = 0;
   for (; j + 4 <= ranks; j += 4) {
     const T* a0 = a + j * n_in;
-    v16sf s0 = {}, s1 = {}, s2 = {}, s3 = {};
+    v16sf acc[N][4] = {};
     int64_t i = 0;
     for (; i + 16 <= n_in; i += 16) {
-      const v16sf xv = load16(x + i);
-      s0 += load16(a0 + i) * xv;
-      s1 += load16(a0 + n_in + i) * xv;
-      s2 += load16(a0 + 2 * n_in + i) * xv;
-      s3 += load16(a0 + 3 * n_in + i) * xv;
+      const v16sf av[4] = {load16(a0 + i), load16(a0 + n_in + i), load16(a0 + 2 * n_in + i),
+                           load16(a0 + 3 * n_in + i)};
+      for (int n = 0; n < N; ++n) {
+        const v16sf xv = load16(x[n] + i);
+        for (int q = 0; q < 4; ++q) acc[n][q] += av[q] * xv;
+      }
     }
-    float t[4] = {hsum16(s0), hsum16(s1), hsum16(s2), hsum16(s3)};
-    for (; i < n_in; ++i) {
-      const float xv = load1(x + i);
-      for (int q = 0; q < 4; ++q) t[q] += load1(a0 + q * n_in + i) * xv;
+    for (int n = 0; n < N; ++n) {
+      for (int q = 0; q < 4; ++q) {
+        float t = hsum16(acc[n][q]);
+        for (int64_t k = i; k < n_in; ++k) t += load1(a0 + q * n_in + k) * load1(x[n] + k);
+        shrunk[n * ranks + j + q] = t;
+      }
     }
-    for (int q = 0; q < 4; ++q) shrunk[j + q] = t[q];
   }
   for (; j < ranks; ++j) {
-    float t = 0.f;
-    for (int64_t i = 0; i < n_in; ++i) t += load1(a + j * n_in + i) * load1(x + i);
-    shrunk[j] = t;
+    for (int n = 0; n < N; ++n) {
+      float t = 0.f;
+      for (int64_t k = 0; k < n_in; ++k) t += load1(a + j * n_in + k) * load1(x[n] + k);
+      shrunk[n * ranks + j] = t;
+    }
   }
 }
 
-// y[o] += sum_k shrunk[k] * B[k, o] for o in [o0, o1) and the part's ranks k in [k0, k0 + r).
-template <class T>
-PAGEDSERVE_INLINE void expand(const float* shrunk, const T* b, int64_t n_out, int64_t k0, int64_t r, int64_t o0,
-                              int64_t o1, T* y) {
+// y_n[o] += sum_k shrunk[n][k] * B[k, o] for o in [o0, o1) and the part's ranks k in [k0, k0 + r),
+// 64 outputs of the N rows at a time: each vector of B is loaded once for N multiply-adds.
+template <int N, class T>
+PAGEDSERVE_INLINE void expand(const float* shrunk, int64_t ranks, const T* b, int64_t n_out, int64_t k0, int64_t r,
+                              int64_t o0, int64_t o1, T* const* y) {
   int64_t o = o0;
   for (; o + 64 <= o1; o += 64) {
-    v16sf acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
+    v16sf acc[N][4] = {};
     for (int64_t k = k0; k < k0 + r; ++k) {
       const T* row = b + k * n_out + o;
-      const float s = shrunk[k];
-      acc0 += s * load16(row);
-      acc1 += s * load16(row + 16);
-      acc2 += s * load16(row + 32);
-      acc3 += s * load16(row + 48);
+      const v16sf bv[4] = {load16(row), load16(row + 16), load16(row + 32), load16(row + 48)};
+      for (int n = 0; n < N; ++n) {
+        const float s = shrunk[n * ranks + k];
+        for (int q = 0; q < 4; ++q) acc[n][q] += s * bv[q];
+      }
     }
-    store16(y + o, load16(y + o) + acc0);
-    store16(y + o + 16, load16(y + o + 16) + acc1);
-    store16(y + o + 32, load16(y + o + 32) + acc2);
-    store16(y + o + 48, load16(y + o + 48) + acc3);
-  }
-  for (; o + 16 <= o1; o += 16) {
-    v16sf acc = {};
-    for (int64_t k = k0; k < k0 + r; ++k) acc += shrunk[k] * load16(b + k * n_out + o);
-    store16(y + o, load16(y + o) + acc);
+    for (int n = 0; n < N; ++n) {
+      for (int q = 0; q < 4; ++q) store16(y[n] + o + 16 * q, load16(y[n] + o + 16 * q) + acc[n][q]);
+    }
   }
   for (; o < o1; ++o) {
-    float acc = 0.f;
-    for (int64_t k = k0; k < k0 + r; ++k) acc += shrunk[k] * load1(b + k * n_out + o);
-    store1(y + o, load1(y + o) + acc);
+    for (int n = 0; n < N; ++n) {
+      float acc = 0.f;
+      for (int64_t k = k0; k < k0 + r; ++k) acc += shrunk[n * ranks + k] * load1(b + k * n_out + o);
+      store1(y[n] + o, load1(y[n] + o) + acc);
+    }
   }
 }
 
-template <class T>
-PAGEDSERVE_INLINE void lora_rows(
-    T* y, const T* x, const T* a, const T* b, const int32_t* token_slots, const int64_t* out_slices, int64_t parts,
-    int64_t t0, int64_t t1, int64_t n_in, int64_t n_out, int64_t ranks) {
+template <int N, class T>
+PAGEDSERVE_INLINE void lora_block(T* const* y, const T* const* x, const T* a, const T* b, const int64_t* out_slices,
+                                  int64_t parts, int64_t n_in, int64_t n_out, int64_t ranks, float* shrunk) {
   const int64_t r = ranks / parts;
-  std::vector<float> shrunk(ranks);
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t s = token_slots[t];
-    if (s < 0) continue;
-    shrink(x + t * n_in, a + s * ranks * n_in, n_in, ranks, shrunk.data());
-    for (int64_t p = 0; p < parts; ++p) {
-      expand(shrunk.data(), b + s * ranks * n_out, n_out, p * r, r, out_slices[p], out_slices[p + 1], y + t * n_out);
+  shrink<N>(x, a, n_in, ranks, shrunk);
+  for (int64_t p = 0; p < parts; ++p) {
+    expand<N>(shrunk, ranks, b, n_out, p * r, r, out_slices[p], out_slices[p + 1], y);
+  }
+}
+
+// Rows [t0, t1), taken adapter by adapter in blocks of up to 4 rows of the same adapter.
+template <class T>
+PAGEDSERVE_INLINE void lora_rows(T* y, const T* x, const T* a, const T* b, const int32_t* token_slots,
+                                 const int64_t* out_slices, int64_t parts, int64_t num_slots, int64_t t0, int64_t t1,
+                                 int64_t n_in, int64_t n_out, int64_t ranks) {
+  std::vector<float> shrunk(4 * ranks);
+  std::vector<int64_t> rows;
+  for (int64_t s = 0; s < num_slots; ++s) {
+    rows.clear();
+    for (int64_t t = t0; t < t1; ++t) {
+      if (token_slots[t] == s) rows.push_back(t);
+    }
+    const T* as = a + s * ranks * n_in;
+    const T* bs = b + s * ranks * n_out;
+    for (size_t i = 0; i < rows.size(); i += 4) {
+      const int n = static_cast<int>(std::min<size_t>(4, rows.size() - i));
+      const T* xs[4];
+      T* ys[4];
+      for (int m = 0; m < n; ++m) {
+        xs[m] = x + rows[i + m] * n_in;
+        ys[m] = y + rows[i + m] * n_out;
+      }
+      switch (n) {
+        case 4: lora_block<4>(ys, xs, as, bs, out_slices, parts, n_in, n_out, ranks, shrunk.data()); break;
+        case 3: lora_block<3>(ys, xs, as, bs, out_slices, parts, n_in, n_out, ranks, shrunk.data()); break;
+        case 2: lora_block<2>(ys, xs, as, bs, out_slices, parts, n_in, n_out, ranks, shrunk.data()); break;
+        default: lora_block<1>(ys, xs, as, bs, out_slices, parts, n_in, n_out, ranks, shrunk.data()); break;
+      }
     }
   }
 }
@@ -109,14 +138,15 @@ PAGEDSERVE_INLINE void lora_rows(
 // The clones: AVX-512 (kernels/cpu/lora.py calls the extension only where it runs) and a baseline.
 __attribute__((target_clones("arch=x86-64-v4", "default"))) void lora_rows_f32(
     float* y, const float* x, const float* a, const float* b, const int32_t* token_slots, const int64_t* out_slices,
-    int64_t parts, int64_t t0, int64_t t1, int64_t n_in, int64_t n_out, int64_t ranks) {
-  lora_rows(y, x, a, b, token_slots, out_slices, parts, t0, t1, n_in, n_out, ranks);
+    int64_t parts, int64_t num_slots, int64_t t0, int64_t t1, int64_t n_in, int64_t n_out, int64_t ranks) {
+  lora_rows(y, x, a, b, token_slots, out_slices, parts, num_slots, t0, t1, n_in, n_out, ranks);
 }
 
 __attribute__((target_clones("arch=x86-64-v4", "default"))) void lora_rows_bf16(
     uint16_t* y, const uint16_t* x, const uint16_t* a, const uint16_t* b, const int32_t* token_slots,
-    const int64_t* out_slices, int64_t parts, int64_t t0, int64_t t1, int64_t n_in, int64_t n_out, int64_t ranks) {
-  lora_rows(y, x, a, b, token_slots, out_slices, parts, t0, t1, n_in, n_out, ranks);
+    const int64_t* out_slices, int64_t parts, int64_t num_slots, int64_t t0, int64_t t1, int64_t n_in, int64_t n_out,
+    int64_t ranks) {
+  lora_rows(y, x, a, b, token_slots, out_slices, parts, num_slots, t0, t1, n_in, n_out, ranks);
 }
 
 }  // namespace
@@ -147,17 +177,19 @@ void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Ten
     TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, "lora_add: token_slots[", t, "]=", slots[t], " outside [-1, ",
                 num_slots, ")");
   }
-  // A row costs ~ (in + out) * ranks multiply-adds: a few rows per task keep 2..N threads busy.
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, (n_in + n_out) * ranks / 64));
+  // A row costs ~ (in + out) * ranks multiply-adds: a few rows per task keep 2..N threads busy,
+  // and enough of them that each adapter's rows come in blocks (4 per adapter).
+  const int64_t grain = std::max<int64_t>(
+      4 * num_slots, 16384 / std::max<int64_t>(1, (n_in + n_out) * ranks / 64));
   at::parallel_for(0, rows, grain, [&](int64_t t0, int64_t t1) {
     if (dtype == torch::kFloat32) {
       lora_rows_f32(y.data_ptr<float>(), x.data_ptr<float>(), lora_a.data_ptr<float>(), lora_b.data_ptr<float>(),
-                       slots, out_slices.data(), parts, t0, t1, n_in, n_out, ranks);
+                    slots, out_slices.data(), parts, num_slots, t0, t1, n_in, n_out, ranks);
     } else {
       lora_rows_bf16(reinterpret_cast<uint16_t*>(y.data_ptr()), reinterpret_cast<const uint16_t*>(x.data_ptr()),
-                          reinterpret_cast<const uint16_t*>(lora_a.data_ptr()),
-                          reinterpret_cast<const uint16_t*>(lora_b.data_ptr()), slots, out_slices.data(), parts, t0,
-                          t1, n_in, n_out, ranks);
+                     reinterpret_cast<const uint16_t*>(lora_a.data_ptr()),
+                     reinterpret_cast<const uint16_t*>(lora_b.data_ptr()), slots, out_slices.data(), parts,
+                     num_slots, t0, t1, n_in, n_out, ranks);
     }
   });
 }
