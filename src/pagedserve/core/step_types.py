@@ -43,6 +43,8 @@ class NewSample:
     output_token_ids: tuple[int, ...]
     """Tokens generated before this admission (a preempted sample's; empty at first): the start of
     the runner's own history, which it extends with the tokens it samples (penalties, min_tokens)."""
+    lora_id: int = 0
+    """The sample's LoRA adapter (core/lora/manager.py); 0: the base model."""
 
 
 @dataclass(frozen=True, slots=True)

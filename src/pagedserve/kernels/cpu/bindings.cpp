@@ -32,6 +32,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"));
   m.def("argmax_rows", &argmax_rows, "Row-wise argmax of fp32 logits (torch.max(dim=-1).indices).",
         py::arg("logits"));
+  m.def("lora_add", &lora_add,
+        "y[t] += (x[t] @ lora_a[s].T) @ lora_b[s] for s = token_slots[t] >= 0, each part of out_slices reading its "
+        "own ranks of lora_b (in place).",
+        py::arg("y"), py::arg("x"), py::arg("lora_a"), py::arg("lora_b"), py::arg("token_slots"), py::arg("out_slices"));
   m.def("amx_linear_available", &amx_linear_available, "Whether this CPU and process can run amx_linear.");
   m.def("amx_pack_weight", &amx_pack_weight, "A bf16 [out, in] weight in amx_linear's tile layout.",
         py::arg("weight"));

@@ -45,6 +45,10 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, t
 // argmax_rows.cpp
 torch::Tensor argmax_rows(torch::Tensor logits);
 
+// lora.cpp: y[t] += (x[t] @ lora_a[s].T) @ lora_b[s], s = token_slots[t] >= 0 (kernels/reference/lora.py)
+void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor token_slots,
+              std::vector<int64_t> out_slices);
+
 // amx_linear.cpp
 bool amx_linear_available();
 torch::Tensor amx_pack_weight(torch::Tensor weight);
