@@ -6,6 +6,7 @@ OpenAI clients parse `{"error": {"message", "type", "param", "code"}}` and raise
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,8 +64,12 @@ def error_headers(err: OpenAIError) -> dict[str, str] | None:
     return {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
 
 
-def model_not_found(requested: str, served: str) -> OpenAIError:
-    return OpenAIError(404, f"The model `{requested}` does not exist; this server serves `{served}`",
+def model_not_found(requested: str, served: str | Sequence[str]) -> OpenAIError:
+    """vLLM's 404 for a `model` the server does not serve, naming those it does (the base model and
+    any LoRA adapters)."""
+    names = [served] if isinstance(served, str) else list(served)
+    listed = ", ".join(f"`{n}`" for n in names)
+    return OpenAIError(404, f"The model `{requested}` does not exist; this server serves {listed}",
                        param="model", code="model_not_found")
 
 

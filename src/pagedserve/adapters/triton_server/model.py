@@ -204,7 +204,7 @@ class TritonPythonModel:
             live = self._live[request_id] = _Live(sender, time.monotonic())
             finished, n = 0, parsed.params.n
             stream = self.engine.generate(request_id, parsed.prompt, parsed.params, timeout=timeout,
-                                          cache_salt=parsed.cache_salt)
+                                          cache_salt=parsed.cache_salt, lora_name=parsed.lora_name)
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     if out.finish_reason == "abort" or live.cancelled():
