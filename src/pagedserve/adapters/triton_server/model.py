@@ -153,7 +153,8 @@ class TritonPythonModel:
         labels = {"model": args["model_name"], "version": args["model_version"]}
         engine = self.engine  # not `self`: a cycle would keep the model to the interpreter's teardown
         self.metrics = TritonEngineMetrics(pb_utils, lambda: engine.metrics, labels,
-                                           cache_config=cache_config_labels(engine.model_info))
+                                           cache_config=cache_config_labels(engine.model_info),
+                                           read_lora_stats=engine.lora_stats if config.lora.enable_lora else None)
         # Last: its cancellation polls are calls to Triton too, and must not overlap creating the families.
         self._watcher = asyncio.run_coroutine_threadsafe(self._watch(), self.loop)
         logger.info("pagedserve: model %s (%s contract) ready", args["model_name"], self.allowed_contract)
