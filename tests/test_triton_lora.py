@@ -32,7 +32,7 @@ from tests.harness.local_ports import free_ports
 from tests.harness.readiness import wait_until_ready
 from tests.lora_adapters import write_peft_adapter
 from tests.reliability_helpers import install_triton_hooks
-from tests.triton_helpers import GrpcStream, grpc_request, http_post, text_inputs, token_inputs
+from tests.triton_helpers import GrpcStream, grpc_request, http_post, text_inputs, token_inputs, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -169,22 +169,21 @@ def lora_info(server) -> list[dict[str, str]]:
 
 
 def test_lora_requests_info_on_the_metrics_port(server):
-    import time
-
-    assert lora_info(server) == [{"model": "pagedserve", "version": "1", "max_lora": "2",
-                                  "running_lora_adapters": "", "waiting_lora_adapters": ""}]
+    """One sample, vLLM's labels beside Triton's model and version: idle, then naming the adapter of
+    a running stream (the exporter refreshes every 0.2 s, so the test waits for it)."""
+    idle = {"model": "pagedserve", "version": "1", "max_lora": "2", "running_lora_adapters": "",
+            "waiting_lora_adapters": ""}
+    assert wait_for(lambda: lora_info(server) == [idle]), lora_info(server)
     stream = GrpcStream(server.grpc_url)
     try:
         stream.send("pagedserve", text_inputs(PROMPT, True, {"max_tokens": 150, "lora_name": "chat", **GREEDY}))
         stream.collect(timeout=60, stop_after=1)
-        deadline = time.monotonic() + 5  # the exporter refreshes every 0.2 s
-        while lora_info(server)[0]["running_lora_adapters"] != "chat" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        (busy,) = lora_info(server)
-        assert busy["running_lora_adapters"] == "chat" and busy["max_lora"] == "2"
+        busy = {**idle, "running_lora_adapters": "chat"}
+        assert wait_for(lambda: lora_info(server) == [busy]), lora_info(server)
         stream.client.stop_stream(cancel_requests=True)
     finally:
         stream.close()
+    assert wait_for(lambda: lora_info(server) == [idle]), lora_info(server)
 
 
 def test_vllm_backends_model_json_form_and_multi_lora_json(tmp_path, adapters):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.core.errors import (EngineDead, EngineOverloaded, EngineShuttingDown, EngineStepFailed,
-                                    InvalidRequest, PagedServeError, RequestTooLong)
+                                    InvalidRequest, PagedServeError, RequestTooLong, UnknownLoRAAdapter)
 
 RETRY_AFTER_S = 1
 """Retry-After (seconds) on 429/503 answers a client may retry: a full queue, a draining server."""
@@ -39,6 +39,8 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return exc
     if isinstance(exc, RequestTooLong):
         return OpenAIError(400, str(exc), param=exc.param, code="context_length_exceeded")
+    if isinstance(exc, UnknownLoRAAdapter):  # the adapter went between the route's check and the engine's
+        return OpenAIError(404, str(exc), type="NotFoundError", param=exc.param or "model", code="model_not_found")
     if isinstance(exc, InvalidRequest):  # also DuplicateRequest
         return OpenAIError(400, str(exc), param=exc.param)
     if isinstance(exc, EngineOverloaded):  # the waiting queue is full: back off and retry

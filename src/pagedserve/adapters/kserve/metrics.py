@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
@@ -22,7 +23,10 @@ from pagedserve.adapters.engine_metrics import (CACHE_CONFIG_DESCRIPTION, CACHE_
                                                 VLLM_LABELLED_COUNTERS, VLLM_METRICS, EngineMetric, LabelledCounter,
                                                 MetricKind, cache_config_labels, cumulative_buckets, lora_info_labels)
 from pagedserve.core.async_engine import ModelInfo
-from pagedserve.core.metrics import LoRAStats, MetricsSnapshot
+from pagedserve.core.metrics import MetricsSnapshot
+
+if TYPE_CHECKING:  # only its attributes are read: no engine import for the exporter
+    from pagedserve.core.lora.manager import LoRAStats
 
 LABELS = ("model", "version")
 VLLM_LABELS = ("model_name",)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.adapters.triton_server.engine_config import ENGINE_JSON, MULTI_LORA_JSON
+from pagedserve.core.errors import ConfigError
 from pagedserve.tools.engine_args import add_lora_args, parse_lora_modules
 
 LORA_SETTINGS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
@@ -24,7 +25,10 @@ def lora_settings_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], d
     """(engine.json settings, adapters: name -> absolute directory) from the flags; None when no LoRA
     flag was given. Raises SystemExit naming a flag that needs --enable-lora."""
     settings = {key: getattr(args, key) for key in LORA_SETTINGS if getattr(args, key, None) is not None}
-    modules = parse_lora_modules(args.lora_modules) if args.lora_modules else {}
+    try:
+        modules = parse_lora_modules(args.lora_modules) if args.lora_modules else {}
+    except ConfigError as exc:
+        raise SystemExit(f"pagedserve triton: {exc}") from None
     if not settings and not modules:
         return None
     if not settings.get("enable_lora"):

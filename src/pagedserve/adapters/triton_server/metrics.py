@@ -24,11 +24,15 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pagedserve.adapters.engine_metrics import (CACHE_CONFIG_DESCRIPTION, CACHE_CONFIG_INFO, ENGINE_METRICS,
                                                 LABELLED_COUNTERS, LORA_INFO, LORA_INFO_DESCRIPTION,
                                                 VLLM_LABELLED_COUNTERS, VLLM_METRICS, MetricKind, lora_info_labels)
-from pagedserve.core.metrics import Histogram, LoRAStats, MetricsSnapshot
+from pagedserve.core.metrics import Histogram, MetricsSnapshot
+
+if TYPE_CHECKING:  # only its attributes are read: no engine import for the exporter
+    from pagedserve.core.lora.manager import LoRAStats
 
 EXPORTED_METRICS = (*ENGINE_METRICS, *VLLM_METRICS)
 EXPORTED_LABELLED_COUNTERS = (*LABELLED_COUNTERS, *VLLM_LABELLED_COUNTERS)
@@ -98,9 +102,8 @@ class TritonEngineMetrics:
             self.families[counter.name] = MF(name=counter.name, description=counter.description, kind=MF.COUNTER)
         self.read_lora_stats = read_lora_stats
         self.lora_labels: dict[str, str] | None = None
-        """The labels of the one vllm:lora_requests_info sample now exported."""
-        if read_lora_stats is not None:
-            self.families[LORA_INFO] = MF(name=LORA_INFO, description=LORA_INFO_DESCRIPTION, kind=MF.GAUGE)
+        """The labels of the one vllm:lora_requests_info sample now exported (its family is made at
+        the first refresh)."""
         self.labelled: dict[tuple[str, str], object] = {}
         """(family name, label value) -> its metric, created when the value first occurs."""
         self.last: MetricsSnapshot | None = None
@@ -173,12 +176,16 @@ class TritonEngineMetrics:
 
     def _refresh_lora_info(self, stats: LoRAStats) -> None:
         """One sample whose labels are the adapters in use now, set to the current time as vLLM
-        sets it. When the adapters change, the sample with the old labels is released (a metric
-        goes from Triton's page when its Python object does), so the page shows the current set
-        only, where vLLM's keeps every set it has seen (consumers take the newest either way)."""
+        sets it. When the adapters change, the family is made anew: releasing a metric leaves its
+        sample on Triton's page, releasing its family takes every sample with it. So the page
+        shows the current set only, where vLLM's keeps every set it has seen (consumers take the
+        newest either way; a scrape in between may find no sample)."""
         labels = {**self.labels, **lora_info_labels(stats)}
         if labels != self.lora_labels:
-            self.metrics.pop(LORA_INFO, None)
+            MF = self.pb_utils.MetricFamily
+            self.metrics.pop(LORA_INFO, None)  # the metric before its family
+            self.families.pop(LORA_INFO, None)
+            self.families[LORA_INFO] = MF(name=LORA_INFO, description=LORA_INFO_DESCRIPTION, kind=MF.GAUGE)
             self.metrics[LORA_INFO] = self.families[LORA_INFO].Metric(labels=labels)
             self.lora_labels = labels
         self.metrics[LORA_INFO].set(time.time())
