@@ -39,7 +39,7 @@ import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,7 @@ from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.errors import EngineDead, EngineShuttingDown, EngineStepFailed, PagedServeError
 from pagedserve.core.heap import limit_malloc_arenas, release_free_heap
+from pagedserve.core.lora.manager import LoRAStats
 from pagedserve.core.metrics import MetricsSnapshot
 from pagedserve.core.outputs import RequestOutput
 from pagedserve.core.sampling_params import SamplingParams
@@ -103,11 +104,20 @@ class _Add:
     use_prefix_cache: bool = True
     deadline: float | None = None
     compiled_grammar: Any = None
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _AddLoRA:
+    """Load a LoRA adapter on the engine thread (its torch ops belong there); answered through `done`."""
+    name: str
+    path: str
+    done: Future
 
 
 _STOP = object()
@@ -150,13 +160,15 @@ class AsyncLLMEngine:
     # -- caller side -----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        *, timeout: float | None = None, cache_salt: str | None = None,
-                       use_prefix_cache: bool = True) -> AsyncIterator[RequestOutput]:
+                       use_prefix_cache: bool = True, lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutput deltas until every sample of the request has finished.
 
         timeout: seconds from now after which the request ends with finish_reason "timeout"
         (None: the engine's request_timeout, if any). cache_salt: a tenant's salt; only requests
         with the same salt share cached prompt blocks. use_prefix_cache: False computes every
-        prompt position. Sampling and structured output travel in `params`.
+        prompt position. lora_name: a loaded LoRA adapter to run with (None: the base model; an
+        unknown one raises UnknownLoRAAdapter, LoRA off LoRANotEnabled, from the first iteration).
+        Sampling and structured output travel in `params`.
         Invalid requests raise InvalidRequest (or a subclass) from the first iteration, a full
         waiting queue EngineOverloaded, a closed or draining engine EngineDead /
         EngineShuttingDown (at once), a failed step EngineStepFailed.
@@ -180,7 +192,8 @@ class AsyncLLMEngine:
                     self._engine.structured_output.compiler.submit(params.structured_output))
             stream = _Stream(asyncio.get_running_loop(), samples_left=params.n)
             self._submit(_Add(request_id, token_ids, params, stream, cache_salt=cache_salt,
-                              use_prefix_cache=use_prefix_cache, deadline=deadline, compiled_grammar=compiled_grammar))
+                              use_prefix_cache=use_prefix_cache, deadline=deadline, compiled_grammar=compiled_grammar,
+                              lora_name=lora_name))
             submitted = True
             while True:
                 item = await stream.queue.get()
@@ -204,6 +217,31 @@ class AsyncLLMEngine:
         with self._lock:
             if self._closed is None:  # once closed, every stream has ended already
                 self._commands.put(_Abort(request_id))
+
+    # -- LoRA adapters (docs/lora.md): any thread, errors raised here -----------------------------
+    def add_lora(self, name: str, path: str, timeout: float | None = 300.0) -> None:
+        """Load the PEFT adapter at `path` as `name` (the same name and path again: a no-op). The
+        loading runs on the engine thread, between two steps; this call waits for it. Raises
+        LoRANotEnabled, InvalidLoRAAdapter, or EngineDead / EngineShuttingDown."""
+        if self._engine.lora is None:
+            self._engine.add_lora(name, path)  # raises LoRANotEnabled
+        self._check_accepting()
+        done: Future = Future()
+        self._submit(_AddLoRA(name, path, done))
+        done.result(timeout)
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop taking requests for `name` (False if it was not loaded); requests already on it
+        run to their end."""
+        return self._engine.remove_lora(name)
+
+    def list_loras(self) -> dict[str, str]:
+        """name -> path of the loaded adapters ({} when LoRA is off)."""
+        return self._engine.list_loras()
+
+    def lora_stats(self) -> LoRAStats:
+        """The adapters of the running and waiting requests and max_loras, as of the latest step."""
+        return getattr(self._engine, "latest_lora_stats", None) or LoRAStats((), (), 0)
 
     def is_healthy(self) -> bool:
         """False once the engine is dead or shut down (draining engines are still healthy)."""
@@ -291,7 +329,7 @@ class AsyncLLMEngine:
             raise EngineShuttingDown("the server is shutting down and accepts no new requests; "
                                      "retry on another replica")
 
-    def _submit(self, cmd: _Add) -> None:
+    def _submit(self, cmd: _Add | _AddLoRA) -> None:
         with self._lock:
             if self._closed is not None:
                 raise self._closed_error()
@@ -361,6 +399,8 @@ class AsyncLLMEngine:
                 return False
             if isinstance(cmd, _Add):
                 self._add(cmd)
+            elif isinstance(cmd, _AddLoRA):
+                self._add_lora(cmd)
             elif isinstance(cmd, _Abort):
                 stream = self._streams.pop(cmd.request_id, None)
                 outputs = self._engine.abort_request(cmd.request_id)
@@ -372,11 +412,19 @@ class AsyncLLMEngine:
         try:
             self._engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cache_salt=cmd.cache_salt,
                                      use_prefix_cache=cmd.use_prefix_cache, deadline=cmd.deadline,
-                                     compiled_grammar=cmd.compiled_grammar)
+                                     compiled_grammar=cmd.compiled_grammar, lora_name=cmd.lora_name)
         except PagedServeError as exc:  # a bad or refused request ends on its own
             cmd.stream.put(exc)
             return
         self._streams[cmd.request_id] = cmd.stream
+
+    def _add_lora(self, cmd: _AddLoRA) -> None:
+        try:
+            self._engine.add_lora(cmd.name, cmd.path)
+        except Exception as exc:  # noqa: BLE001 - the caller gets it; the engine goes on
+            cmd.done.set_exception(exc)
+        else:
+            cmd.done.set_result(None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -408,6 +456,8 @@ class AsyncLLMEngine:
                 break
             if isinstance(cmd, _Add):
                 cmd.stream.put(self._closed_error())
+            elif isinstance(cmd, _AddLoRA):
+                cmd.done.set_exception(self._closed_error())
 
 
 def _chat_chars(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> int:

@@ -1,4 +1,5 @@
-"""Engine configuration: EngineConfig = ModelConfig + CacheConfig + SchedulerConfig + LimitsConfig.
+"""Engine configuration: EngineConfig = ModelConfig + CacheConfig + SchedulerConfig + LimitsConfig
++ LoRAConfig.
 
 Defaults live here and nowhere else. `EngineConfig.from_dict` takes one flat dict (the shape of a
 Triton model.json or CLI flags), rejects unknown keys and names the field, value and fix on error.
@@ -157,7 +158,39 @@ class LimitsConfig:
         check_range(ConfigError, "drain_timeout", self.drain_timeout, 0.0, 3600.0)
 
 
-_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "limits": LimitsConfig}
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (docs/lora.md), vLLM's settings by vLLM's names. In a JSON config either
+    flat keys or one object under "lora" ({"lora": {"enable_lora": true, ...}})."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    """Adapters resident in the stacked device weights at once: the most distinct adapters one step
+    runs (a request whose adapter finds no free slot waits)."""
+    max_lora_rank: int = 16
+    """Largest adapter rank served; the stacked weights are this wide."""
+    max_cpu_loras: int | None = None
+    """Adapters whose weights stay in host memory (LRU; the rest reload from their directory when a
+    request needs them). None: max_loras."""
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    """name -> PEFT directory, loaded at start (needs enable_lora)."""
+
+    def __post_init__(self) -> None:
+        check_range(ConfigError, "max_loras", self.max_loras, 1, 1024)
+        check_range(ConfigError, "max_lora_rank", self.max_lora_rank, 1, 512)
+        check_range(ConfigError, "max_cpu_loras", self.max_cpu_loras, self.max_loras,
+                    hint=f"keep at least max_loras={self.max_loras} adapters in host memory")
+        for name, path in self.lora_modules.items():
+            if not name or not path:
+                raise ConfigError(f"lora_modules: {name!r} -> {path!r}: give each adapter a non-empty name and "
+                                  "PEFT directory (name=path)", param="lora_modules")
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError(f"lora_modules names {len(self.lora_modules)} adapter(s) but LoRA is off; add "
+                              "--enable-lora (enable_lora: true) to serve them", param="lora_modules")
+
+
+_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "limits": LimitsConfig,
+             "lora": LoRAConfig}
 
 
 @dataclass(frozen=True)
@@ -166,6 +199,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def known_keys(cls) -> dict[str, str]:
@@ -177,6 +211,7 @@ class EngineConfig:
         """Build from one flat dict, e.g. {"model": "default", "block_size": 16, "max_num_seqs": 64}."""
         if not isinstance(data, dict):
             raise ConfigError(f"{what}: expected a JSON object, got {type(data).__name__}")
+        data = _flatten_lora_section(data, what)
         keys = cls.known_keys()
         unknown = sorted(set(data) - set(keys))
         if unknown:
@@ -215,3 +250,22 @@ class EngineConfig:
     def replace(self, **changes: Any) -> "EngineConfig":
         """A copy with some flat keys changed (validated like from_dict)."""
         return EngineConfig.from_dict({**self.to_dict(), **changes})
+
+
+def _flatten_lora_section(data: dict[str, Any], what: str) -> dict[str, Any]:
+    """{"lora": {...LoRAConfig fields}} as flat keys (the file form docs/lora.md shows)."""
+    if "lora" not in data:
+        return data
+    section = data["lora"]
+    if not isinstance(section, dict):
+        raise ConfigError(f"{what}: lora: expected an object of LoRA settings such as "
+                          f'{{"enable_lora": true, "max_loras": 4}}, got {section!r}', param="lora")
+    fields = {f.name for f in dataclasses.fields(LoRAConfig)}
+    unknown = sorted(set(section) - fields)
+    if unknown:
+        raise ConfigError(f"{what}: lora: unknown key(s) {', '.join(map(repr, unknown))}; known keys: "
+                          f"{', '.join(sorted(fields))}", param=unknown[0])
+    both = sorted(set(section) & set(data))
+    if both:
+        raise ConfigError(f"{what}: {', '.join(both)} given both flat and under lora; give each once", param=both[0])
+    return {**{k: v for k, v in data.items() if k != "lora"}, **section}

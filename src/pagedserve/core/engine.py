@@ -14,7 +14,7 @@ import torch
 from pagedserve.core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pagedserve.core.cpu_threads import ThreadPlan, thread_plan
 from pagedserve.core.thread_governor import ThreadGovernor, name_compute_threads
-from pagedserve.core.errors import ConfigError, DuplicateRequest, InvalidRequest, RequestTooLong
+from pagedserve.core.errors import ConfigError, DuplicateRequest, InvalidRequest, LoRANotEnabled, RequestTooLong
 from pagedserve.core.kv_cache.cache_tensors import KVCacheSpec, make_kv_cache_spec
 from pagedserve.core.kv_cache.layout import make_kv_cache_layout
 from pagedserve.core.kv_cache.manager import KVCacheManager
@@ -22,6 +22,9 @@ from pagedserve.core.kv_cache.prefix_hash import check_cache_salt
 from pagedserve.core.layers.attention import select_attention_backend
 from pagedserve.core.layers.onednn_cache import bound_onednn_caches
 from pagedserve.core.limits import WaitingQueueGuard, max_prompt_chars
+from pagedserve.core.lora.manager import LoRAManager, LoRAStats, lora_stats
+from pagedserve.core.lora.peft import projection_shapes
+from pagedserve.core.lora.slots import LoRASlots
 from pagedserve.core.metrics import EngineMetrics
 from pagedserve.core.model_runner import ModelRunner
 from pagedserve.core.models.arch import ModelArch
@@ -113,7 +116,15 @@ class LLMEngine:
             cc.kv_cache_dtype, self.dtype, self.arch.num_layers, cc.block_size, self.arch.num_kv_heads,
             self.arch.head_dim, self.model_path, layout.layers_per_block)
         self.num_kv_blocks = self._num_kv_blocks(kv_spec)
-        self.runner = ModelRunner(model, self.num_kv_blocks, cc.block_size, kv_spec, layout)
+        lc = config.lora
+        self.lora = LoRAManager(lc, self.arch, self.dtype) if lc.enable_lora else None
+        """The loaded LoRA adapters (core/lora/manager.py); None when enable_lora is off."""
+        lora_slots = None if self.lora is None else LoRASlots(
+            projection_shapes(self.arch), self.arch.num_layers, lc.max_loras, lc.max_lora_rank, self.dtype,
+            self.device, kernels, self.lora.weights)
+        for name, path in lc.lora_modules.items():
+            self.lora.add(name, path)
+        self.runner = ModelRunner(model, self.num_kv_blocks, cc.block_size, kv_spec, layout, lora_slots)
         if self.threads.enabled:
             model.between_layers = self.threads.poll
         mark("KV cache")
@@ -135,7 +146,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, num_blocks=self.num_kv_blocks,
                                    block_size=cc.block_size, enable_prefix_caching=cc.enable_prefix_caching,
                                    layout=layout, max_chunk_tokens=self._max_chunk_tokens(),
-                                   structured_output=self.structured_output)
+                                   structured_output=self.structured_output,
+                                   max_loras=lc.max_loras if lc.enable_lora else None)
         self._publish_metrics()
         logger.info("pagedserve engine: %s on %s in %s, %d KV blocks of %d tokens; loaded in %.2fs (%s)",
                     self.model_path, self.device, self.dtype, self.num_kv_blocks, cc.block_size,
@@ -276,7 +288,7 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
                     params: SamplingParams | None = None, *, cache_salt: str | None = None,
                     use_prefix_cache: bool = True, detokenize: bool = True, deadline: float | None = None,
-                    compiled_grammar: Any = None) -> str:
+                    compiled_grammar: Any = None, lora_name: str | None = None) -> str:
         """Queue a request (n samples when params.n > 1); returns its request_id.
 
         cache_salt: a tenant's salt; only requests with the same salt share cached prompt blocks
@@ -285,8 +297,9 @@ class LLMEngine:
         None: arrival + request_timeout when that is configured, else never.
         compiled_grammar: params.structured_output compiled ahead (AsyncLLMEngine awaits
         `structured_output.compiler.submit` off this thread); None compiles it here, blocking.
-        Raises InvalidRequest / RequestTooLong / DuplicateRequest / EngineOverloaded; nothing is
-        queued then.
+        lora_name: a loaded LoRA adapter to run with (None: the base model).
+        Raises InvalidRequest / RequestTooLong / DuplicateRequest / EngineOverloaded (and for
+        lora_name LoRANotEnabled / UnknownLoRAAdapter); nothing is queued then.
         """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -295,6 +308,9 @@ class LLMEngine:
         if request_id in self._requests:
             raise DuplicateRequest(f"request_id={request_id!r} is already running; use a unique id")
         cache_salt = check_cache_salt(cache_salt)
+        if lora_name is not None and self.lora is None:
+            raise LoRANotEnabled(f"lora_name={lora_name!r} but this engine serves no LoRA adapters; start it with "
+                                 "--enable-lora (enable_lora: true)", param="lora_name")
         params = self.prepare_params(params)
         token_ids = self.tokenize(prompt)
         if not token_ids:
@@ -314,6 +330,11 @@ class LLMEngine:
             cache_salt = f"{cache_salt or ''}\x00{rope_key}"
         if params.structured_output is not None and compiled_grammar is None:
             compiled_grammar = self.structured_output.compiler.compile(params.structured_output)
+        lora_id = 0
+        if lora_name is not None:  # last of the checks: counted on the adapter from here until dropped
+            lora_id = self.lora.acquire(lora_name)
+            # K/V computed under one adapter is never reused under another or the base model.
+            cache_salt = f"{cache_salt or ''}\x00lora:{lora_id}"
         leader = None
         samples = []
         for index in range(params.n):
@@ -324,7 +345,7 @@ class LLMEngine:
             request = Request(
                 request_id=request_id, prompt_token_ids=token_ids, sampling_params=sample_params,
                 eos_token_id=self.eos_token_id, max_tokens=max_tokens, index=index, cache_salt=cache_salt,
-                use_prefix_cache=use_prefix_cache, prompt_leader=leader, deadline=deadline,
+                use_prefix_cache=use_prefix_cache, prompt_leader=leader, deadline=deadline, lora_id=lora_id,
             )
             leader = leader or request
             if compiled_grammar is not None:  # each sample walks the grammar on its own
@@ -332,13 +353,15 @@ class LLMEngine:
             self.output_processor.add(request, detokenize)
             self.scheduler.add_request(request)  # with its deadline, if any
             samples.append(request)
-        self._requests[request_id] = EngineRequest(request_id, tuple(samples))
+        self._requests[request_id] = EngineRequest(request_id, tuple(samples), lora_id)
         return request_id
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Finish every live sample of the request now (finish_reason "abort") and free its blocks.
         Returns their final outputs (empty if the request is unknown or already finished)."""
         entry = self._requests.pop(request_id, None)
+        if entry is not None and self.lora is not None:
+            self.lora.release(entry.lora_id)
         outputs = []
         for sample in entry.samples if entry is not None else ():
             if self.scheduler.finish_request(sample, RequestStatus.FINISHED_ABORTED):
@@ -392,6 +415,8 @@ class LLMEngine:
             entry = self._requests.get(out.request_id)
             if entry is not None and entry.finished:
                 del self._requests[out.request_id]
+                if self.lora is not None:
+                    self.lora.release(entry.lora_id)
 
     def abort_all_after_failure(self) -> list[str]:
         """After a step raised: finish every live request without an output (the caller reports
@@ -403,6 +428,8 @@ class LLMEngine:
             for sample in entry.samples:
                 self.scheduler.finish_request(sample, RequestStatus.FINISHED_ABORTED)
             self.structured_output.forget([sample.seq_id for sample in entry.samples])
+            if self.lora is not None:
+                self.lora.release(entry.lora_id)
         self._requests.clear()
         self.scheduler.reset_after_abort_all()
         self.metrics.observe_step_failure()
@@ -412,6 +439,34 @@ class LLMEngine:
     def _publish_metrics(self) -> None:
         self.metrics.update_from_scheduler(self.scheduler.stats)
         self.latest_metrics = self.metrics.snapshot()
+        if self.lora is not None:
+            self.latest_lora_stats = self.lora_stats()
+
+    # -- LoRA adapters (docs/lora.md) --------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter at `path` as `name` (the same name and path again: a no-op).
+        Raises LoRANotEnabled, or InvalidLoRAAdapter naming what is wrong and the fix."""
+        self._lora_manager().add(name, path)
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop taking requests for `name` (False if it was not loaded); its running and waiting
+        requests run to their end first."""
+        return self._lora_manager().remove(name)
+
+    def list_loras(self) -> dict[str, str]:
+        """name -> path of the loaded adapters ({} when LoRA is off)."""
+        return {} if self.lora is None else self.lora.list()
+
+    def lora_stats(self) -> LoRAStats:
+        """The adapters of the running and waiting requests, and max_loras (0 when LoRA is off)."""
+        sched = self.scheduler
+        return lora_stats(self.lora, sched.running, sched.waiting, self.config.lora.max_loras)
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise LoRANotEnabled("this engine serves no LoRA adapters; start it with --enable-lora "
+                                 "(enable_lora: true)", param="lora_name")
+        return self.lora
 
     @property
     def stats(self) -> SchedulerStats:

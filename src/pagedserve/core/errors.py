@@ -41,6 +41,19 @@ class DuplicateRequest(InvalidRequest):
     """A request with the same request_id is still running."""
 
 
+class UnknownLoRAAdapter(InvalidRequest):
+    """A request named a LoRA adapter that is not loaded (the message lists the loaded ones)."""
+
+
+class LoRANotEnabled(InvalidRequest):
+    """A request named a LoRA adapter, or one was loaded, on an engine started without enable_lora."""
+
+
+class InvalidLoRAAdapter(InvalidRequest):
+    """A LoRA adapter cannot be served: its PEFT directory is missing or corrupt, its rank exceeds
+    max_lora_rank, it targets a module the engine cannot serve, or its shapes are another model's."""
+
+
 class EngineOverloaded(PagedServeError):
     """The waiting queue is full (max_waiting_requests or max_waiting_prompt_tokens): the request
     was refused at once; retry later or on another replica."""

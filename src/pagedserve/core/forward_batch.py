@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pagedserve.core.lora.slots import LoRABatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +38,10 @@ class ForwardBatch:
     group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
     """(block_table, slot_mapping) of layer groups 1.. (core/kv_cache/layout.py); block_table and
     slot_mapping above are group 0's. Empty for a model with one group."""
+
+    lora: "LoRABatch | None" = None
+    """Each row's LoRA adapter slot and the stacked weights (core/lora/slots.py); None when no
+    request of the step uses an adapter."""
 
     def cache_indexing(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The block table and slot mapping of a layer group."""

@@ -12,6 +12,7 @@ import torch
 from pagedserve.core.forward_batch import ForwardBatch
 from pagedserve.core.kv_cache.cache_tensors import KVCacheSpec, allocate_kv_caches
 from pagedserve.core.kv_cache.layout import KVCacheLayout
+from pagedserve.core.lora.slots import LoRASlots
 from pagedserve.core.models.llama import LlamaDecoder
 from pagedserve.core.outputs import TokenLogprobs
 from pagedserve.core.sampler import Sampler, compute_logprobs
@@ -21,10 +22,12 @@ from pagedserve.core.structured_output.manager import GrammarBitmask
 
 class ModelRunner:
     def __init__(self, model: LlamaDecoder, num_blocks: int, block_size: int, kv_spec: KVCacheSpec,
-                 layout: KVCacheLayout | None = None) -> None:
+                 layout: KVCacheLayout | None = None, lora: LoRASlots | None = None) -> None:
         """kv_spec: the cache's dtype, scales and layout (core/kv_cache/cache_tensors.py);
-        layout: the layer groups, each with its own block table (None: one group)."""
+        layout: the layer groups, each with its own block table (None: one group);
+        lora: the stacked LoRA adapter weights (None: LoRA off)."""
         self.model = model
+        self.lora = lora
         self.block_size = block_size
         self.device = model.device
         assert kv_spec.block_size == block_size, f"kv_spec.block_size={kv_spec.block_size} != {block_size}"
@@ -66,6 +69,9 @@ class ModelRunner:
             group_tables = tuple(
                 tuple(map(dev, self._cache_indexing([r.group_block_ids[g] for r in reqs], row_of_token, positions)))
                 for g in range(self.num_groups - 1))
+        lora = None
+        if self.lora is not None:
+            lora = self.lora.batch(np.fromiter((r.lora_id for r in reqs), dtype=np.int64, count=len(reqs)), q_lens)
         return ForwardBatch(
             input_ids=dev(input_ids),
             positions=dev(positions),
@@ -78,6 +84,7 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             rope_lengths=rope_lengths,
             group_tables=group_tables,
+            lora=lora,
         )
 
     def _cache_indexing(self, block_ids: list[tuple[int, ...]], row_of_token: np.ndarray,

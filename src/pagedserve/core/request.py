@@ -102,6 +102,8 @@ class Request:
     leader's prompt blocks). None until admitted; a recompute after preemption leaves it as is."""
     deadline: float | None = None
     """time.monotonic() after which the request ends with finish_reason "timeout"; None: never."""
+    lora_id: int = 0
+    """The LoRA adapter the sample runs with (core/lora/manager.py); 0: the base model."""
     # -- written by the output processor (core/output_processor.py) only --
     detokenizer: Any = None
     """core.detokenizer.IncrementalDetokenizer, or None when the request asked for token ids only."""
@@ -143,6 +145,8 @@ class EngineRequest:
 
     request_id: str
     samples: tuple[Request, ...]
+    lora_id: int = 0
+    """The adapter the engine counts this request on until it is dropped (0: none)."""
 
     @property
     def finished(self) -> bool:

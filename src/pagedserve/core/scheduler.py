@@ -54,9 +54,11 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, max_model_len: int, *, num_blocks: int, block_size: int,
                  enable_prefix_caching: bool, layout: KVCacheLayout | None = None,
                  max_chunk_tokens: int | None = None,
-                 structured_output: StructuredOutputManager | None = None) -> None:
+                 structured_output: StructuredOutputManager | None = None, max_loras: int | None = None) -> None:
         """The KV cache arguments are KVCacheManager's (core/kv_cache/manager.py).
-        structured_output: the constrained samples' grammars; their masks and accepts run here."""
+        structured_output: the constrained samples' grammars; their masks and accepts run here.
+        max_loras: the most distinct LoRA adapters the running requests may use (None: LoRA off)."""
+        self.max_loras = max_loras
         self.config = config
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, layout, max_chunk_tokens)
         self.structured_output = structured_output
@@ -164,9 +166,12 @@ class Scheduler:
             if reordered is not None:
                 self.waiting.clear()
                 self.waiting.extend(reordered)
+        # A request whose LoRA adapter would be one more than max_loras among the running ones
+        # waits (without blocking others) until a running adapter's requests have all left.
+        adapters = {r.lora_id for r in self.running if r.lora_id} if self.max_loras is not None else set()
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if self._waits_for_leader(request):
+            if self._waits_for_leader(request) or self._waits_for_lora_slot(request, adapters):
                 skipped.append(self.waiting.popleft())
                 continue
             hits, num_hit_tokens, from_leader = self._reusable_blocks(request)
@@ -188,6 +193,8 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_hit_tokens
             self.running.append(request)
+            if request.lora_id:
+                adapters.add(request.lora_id)
             num_new[request.seq_id] = n
             budget -= n
         self.waiting.extendleft(reversed(skipped))
@@ -199,6 +206,10 @@ class Scheduler:
         finished, self._finished_since_last_step = tuple(self._finished_since_last_step), []
         self._refresh_stats()
         return SchedulerOutput(scheduled, total, tuple(r.seq_id for r in preempted), finished)
+
+    def _waits_for_lora_slot(self, request: Request, adapters: set[int]) -> bool:
+        return (self.max_loras is not None and request.lora_id != 0 and request.lora_id not in adapters
+                and len(adapters) >= self.max_loras)
 
     @staticmethod
     def _waits_for_leader(request: Request) -> bool:
@@ -239,6 +250,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=tuple(request.output_token_ids),
             eos_token_id=request.eos_token_id,
+            lora_id=request.lora_id,
         )
 
     def _group_block_ids(self, request: Request) -> tuple[tuple[int, ...], ...]:

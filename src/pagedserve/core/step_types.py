@@ -44,6 +44,8 @@ class ScheduledRequest:
     eos_token_id: int | None
     group_block_ids: tuple[tuple[int, ...], ...] = ()
     """Block ids of layer groups 1.. (core/kv_cache/layout.py); block_ids is group 0's. Empty with one group."""
+    lora_id: int = 0
+    """The sample's LoRA adapter (core/lora/manager.py); 0: the base model."""
 
 
 @dataclass(frozen=True, slots=True)

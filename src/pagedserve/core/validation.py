@@ -46,6 +46,12 @@ def _coerce(field: str, value: Any, tp: Any, error_cls: type[PagedServeError]) -
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
             raise error_cls(f"{field}: expected a list, got {value!r} ({type(value).__name__})", param=field)
         return tuple(_coerce(f"{field}[{i}]", v, item_tp, error_cls) for i, v in enumerate(value))
+    if origin is dict:
+        key_tp, value_tp = typing.get_args(tp) or (Any, Any)
+        if not isinstance(value, Mapping):
+            raise error_cls(f"{field}: expected an object, got {value!r} ({type(value).__name__})", param=field)
+        return {_coerce(f"{field} key", k, key_tp, error_cls): _coerce(f"{field}[{k!r}]", v, value_tp, error_cls)
+                for k, v in value.items()}
     if tp is Any:
         return value
     if tp is bool:

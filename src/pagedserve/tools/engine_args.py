@@ -15,7 +15,8 @@ if TYPE_CHECKING:  # imported when used: a command's --help needs no engine modu
 
 ENGINE_FLAGS = ("model", "dtype", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                 "kv_cache_memory", "max_waiting_requests", "max_waiting_prompt_tokens", "request_timeout",
-                "max_request_bytes", "drain_timeout", "record_workload")
+                "max_request_bytes", "drain_timeout", "record_workload", "enable_lora", "max_loras", "max_lora_rank",
+                "max_cpu_loras", "lora_modules")
 """EngineConfig keys that have a flag (--max-num-seqs sets max_num_seqs)."""
 
 
@@ -41,6 +42,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="seconds requests in flight get to finish on SIGTERM (default 20)")
     p.add_argument("--record-workload", default=None, metavar="PATH",
                    help="append each finished request's arrival time and lengths (no text) to PATH, for `tune`")
+    p.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters chosen per request (docs/lora.md)")
+    p.add_argument("--max-loras", type=int, default=None, help="adapters resident at once, in one step (default 1)")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank served (default 16)")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in host memory, LRU (default: --max-loras)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help='adapters loaded at start: name=path or \'{"name": ..., "path": ...}\' (needs --enable-lora)')
     p.add_argument("--engine-config", default=None, help="JSON file of engine settings (flags override it)")
 
 
@@ -50,7 +59,41 @@ def engine_config_from_args(args: argparse.Namespace, defaults: dict[str, Any] |
     the file nor the flags set. Raises ConfigError naming the key, or OSError for an unreadable file."""
     from pagedserve.core.config import EngineConfig
 
-    flags = {key: getattr(args, key) for key in ENGINE_FLAGS if getattr(args, key) is not None}
+    flags = {key: getattr(args, key) for key in ENGINE_FLAGS if getattr(args, key, None) is not None}
+    if "lora_modules" in flags:
+        flags["lora_modules"] = parse_lora_modules(flags["lora_modules"])
     if args.engine_config:
         return EngineConfig.from_json_file(args.engine_config, flags, defaults)
     return EngineConfig.from_dict({**(defaults or {}), **flags})
+
+
+def parse_lora_modules(items: list[str]) -> dict[str, str]:
+    """--lora-modules values as vLLM takes them: name=path, or a JSON object {"name": ..., "path": ...}
+    (its base_model_name is accepted and ignored: one base model here). Raises ConfigError."""
+    import json
+
+    from pagedserve.core.errors import ConfigError
+
+    modules: dict[str, str] = {}
+    for item in items:
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"--lora-modules {item!r} is not valid JSON ({exc.msg}); use name=path or "
+                                  '\'{"name": "NAME", "path": "PATH"}\'', param="lora_modules") from None
+            extra = set(spec) - {"name", "path", "base_model_name"} if isinstance(spec, dict) else {"?"}
+            if extra or not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str):
+                raise ConfigError(f"--lora-modules {item!r}: expected {{\"name\": str, \"path\": str}}",
+                                  param="lora_modules")
+            name, path = spec["name"], spec["path"]
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"--lora-modules {item!r}: expected name=path (e.g. sql=/adapters/sql-lora)",
+                                  param="lora_modules")
+        if name in modules and modules[name] != path:
+            raise ConfigError(f"--lora-modules names {name!r} twice ({modules[name]} and {path}); "
+                              "give each adapter a unique name", param="lora_modules")
+        modules[name] = path
+    return modules

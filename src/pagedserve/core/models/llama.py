@@ -126,13 +126,20 @@ class LlamaDecoder:
         for i, (w, kv) in enumerate(zip(self.layers, kv_caches)):
             window = self.arch.sliding_windows[i]
             rope = ropes[id(self.local_rotary if window is not None else self.rotary)]
-            x = self._attention(x, w, kv, batch, window, rope)
+            x = self._attention(i, x, w, kv, batch, window, rope)
             if gemma:
                 x = ops.rms_norm(x, w.post_norm, eps)
                 x, residual = ops.add_rms_norm(x, residual, w.pre_ff_norm, eps)
             else:
                 x, residual = ops.add_rms_norm(x, residual, w.post_norm, eps)
-            x = w.down(self.act_and_mul(w.gate_up(x)))
+            if batch.lora is None:
+                x = w.down(self.act_and_mul(w.gate_up(x)))
+            else:  # each row adds its own adapter's update to each projection (core/lora/slots.py)
+                gate_up = w.gate_up(x)
+                batch.lora.add(i, "gate_up", x, gate_up)
+                h = self.act_and_mul(gate_up)
+                x = w.down(h)
+                batch.lora.add(i, "down", h, x)
             if gemma:
                 x = ops.rms_norm(x, w.post_ff_norm, eps)
             if i + 1 < len(self.layers):
@@ -149,11 +156,14 @@ class LlamaDecoder:
             logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
         return logits
 
-    def _attention(self, x: torch.Tensor, w: LayerWeights, kv: KVCacheTensors, batch: ForwardBatch,
+    def _attention(self, layer: int, x: torch.Tensor, w: LayerWeights, kv: KVCacheTensors, batch: ForwardBatch,
                    window: int | None, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
         a = self.arch
         cos, sin, rows = rope
-        q, k, v = self.kernels.rotary_qkv(w.qkv(x), rows, cos, sin, a.num_heads, a.num_kv_heads, w.q_norm, w.k_norm,
+        qkv = w.qkv(x)
+        if batch.lora is not None:
+            batch.lora.add(layer, "qkv", x, qkv)
+        q, k, v = self.kernels.rotary_qkv(qkv, rows, cos, sin, a.num_heads, a.num_kv_heads, w.q_norm, w.k_norm,
                                           a.rms_norm_eps, a.head_dim)
         # Quantized caches: scales are written with the codes and read back inside the attention.
         # Each layer group has its own block table (sliding-window groups drop blocks before the window).
@@ -163,4 +173,9 @@ class LlamaDecoder:
             q, kv.key_cache, kv.value_cache, block_table, batch.query_start_loc, batch.seq_lens,
             self.scale, batch.max_query_len, batch.max_seq_len, window, kv.k_scale, kv.v_scale, a.attn_softcap,
         )
-        return w.o(o.reshape(x.shape[0], a.num_heads * a.head_dim))
+        o = o.reshape(x.shape[0], a.num_heads * a.head_dim)
+        if batch.lora is None:
+            return w.o(o)
+        out = w.o(o)
+        batch.lora.add(layer, "o", o, out)
+        return out
