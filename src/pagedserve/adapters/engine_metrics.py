@@ -30,7 +30,7 @@ from pagedserve.core.metrics import Histogram, MetricsSnapshot
 
 if TYPE_CHECKING:  # only their attributes are read: no engine import for the metric table
     from pagedserve.core.async_engine import ModelInfo
-    from pagedserve.core.lora.manager import LoRAStats
+    from pagedserve.core.lora import LoRAStats
 
 PREFIX = "pagedserve:"
 VLLM_PREFIX = "vllm:"

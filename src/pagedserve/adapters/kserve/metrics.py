@@ -26,7 +26,7 @@ from pagedserve.core.async_engine import ModelInfo
 from pagedserve.core.metrics import MetricsSnapshot
 
 if TYPE_CHECKING:  # only its attributes are read: no engine import for the exporter
-    from pagedserve.core.lora.manager import LoRAStats
+    from pagedserve.core.lora import LoRAStats
 
 LABELS = ("model", "version")
 VLLM_LABELS = ("model_name",)

@@ -31,7 +31,7 @@ from pagedserve.adapters.kserve.protocol import infer_params, text_inputs
 from pagedserve.core.async_engine import AsyncLLMEngine
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.errors import PagedServeError
-from pagedserve.core.lora.manager import LoRAStats
+from pagedserve.core.lora import LoRAStats
 from pagedserve.core.metrics import MetricsSnapshot
 from pagedserve.core.sampling_params import SamplingParams
 

@@ -32,7 +32,7 @@ from pagedserve.adapters.engine_metrics import (CACHE_CONFIG_DESCRIPTION, CACHE_
 from pagedserve.core.metrics import Histogram, MetricsSnapshot
 
 if TYPE_CHECKING:  # only its attributes are read: no engine import for the exporter
-    from pagedserve.core.lora.manager import LoRAStats
+    from pagedserve.core.lora import LoRAStats
 
 EXPORTED_METRICS = (*ENGINE_METRICS, *VLLM_METRICS)
 EXPORTED_LABELLED_COUNTERS = (*LABELLED_COUNTERS, *VLLM_LABELLED_COUNTERS)
