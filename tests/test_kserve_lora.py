@@ -240,6 +240,41 @@ def test_lora_requests_info_names_the_running_adapters(server, client):
     assert {k: lora_info(server)[0][k] for k in idle} == idle
 
 
+def test_lora_requests_info_names_the_waiting_adapter_beyond_max_loras(server, client, adapters):
+    """--max-loras 2: while `sql` and `chat` run, a request for a third adapter waits (the engine's
+    rule, as vLLM's), and the metric says so: running "chat,sql", waiting "late"."""
+    import threading
+
+    assert post(server, "/v1/load_lora_adapter",
+                {"lora_name": "late", "lora_path": str(adapters["late"])}).status_code == 200
+    streams = [client.completions.create(model=name, prompt=PROMPT, max_tokens=400, temperature=0.0, stream=True,
+                                         extra_body={"ignore_eos": True}) for name in ("sql", "chat")]
+    for stream in streams:
+        next(stream)
+    late: list[str] = []
+    waiter = threading.Thread(target=lambda: late.append(completion(client, "late", 4)))
+    waiter.start()
+    try:
+        want = {"max_lora": "2", "running_lora_adapters": "chat,sql", "waiting_lora_adapters": "late"}
+        deadline = time.monotonic() + 10
+        while {k: lora_info(server)[0][k] for k in want} != want and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert {k: lora_info(server)[0][k] for k in want} == want
+        assert not late  # still waiting for an adapter slot
+    finally:
+        for stream in streams:
+            stream.close()  # their requests end: `late` is admitted
+        waiter.join(60)
+    assert len(late) == 1
+    assert post(server, "/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 200
+
+
+def test_tokenize_takes_an_adapters_name(server):
+    ids = [post(server, "/tokenize", {"model": m, "prompt": PROMPT}).json()["tokens"] for m in (MODEL, "sql")]
+    assert ids[0] == ids[1] and ids[0]
+    assert post(server, "/tokenize", {"model": "nope", "prompt": PROMPT}).status_code == 404
+
+
 def test_runtime_updating_is_refused_without_the_switch(model_dir):
     """vLLM serves the routes only with VLLM_ALLOW_RUNTIME_LORA_UPDATING: without it (or the flag)
     they answer 404 with OpenAI's error shape, saying how to turn them on (no engine needed to tell)."""

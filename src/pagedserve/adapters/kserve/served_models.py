@@ -135,8 +135,8 @@ class ServedModels:
                         raise OpenAIError(400, f"The lora adapter '{name}' has already been loaded. If you want to "
                                                "load the adapter in place, set 'load_inplace' to True.",
                                           type="InvalidUserInput", param="lora_name", code="lora_already_loaded")
-                    await asyncio.to_thread(engine.remove_lora, name)
-                await asyncio.to_thread(engine.add_lora, name, path)
+                    engine.remove_lora(name)  # its running requests finish on the old weights
+                await asyncio.to_thread(engine.add_lora, name, path)  # loads between two steps, and waits
         except InvalidRequest as exc:  # not enabled, or an adapter the engine cannot serve
             return error_response(OpenAIError(400, str(exc), type="BadRequestError", param=exc.param))
         except (OpenAIError, PagedServeError) as exc:
@@ -151,7 +151,7 @@ class ServedModels:
                 raise OpenAIError(400, "'lora_name' needs to be provided to unload a LoRA adapter.",
                                   type="InvalidUserInput", param="lora_name", code="missing_field")
             async with self._update_lock:
-                if name not in engine.list_loras() or not await asyncio.to_thread(engine.remove_lora, name):
+                if name not in engine.list_loras() or not engine.remove_lora(name):  # returns at once
                     raise OpenAIError(404, f"The lora adapter '{name}' cannot be found; loaded: "
                                            f"{sorted(engine.list_loras()) or 'none'}",
                                       type="NotFoundError", param="lora_name", code="lora_not_found")
