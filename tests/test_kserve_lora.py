@@ -11,6 +11,7 @@ tokens differ from the base model's and from each other's, so a server that ran 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -160,6 +161,23 @@ def test_v2_infer_takes_lora_name_as_a_parameter(server, oracle):
     assert r.status_code == 404 and "nope" in r.text and "sql" in r.text, r.text
 
 
+def test_v2_grpc_infer_takes_lora_name_with_tritonclient(server, oracle):
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    want = expect(oracle, PROMPT, "chat", max_tokens=10, **GREEDY).text
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([PROMPT.encode()], dtype=np.object_))
+    sampling = json.dumps({"temperature": 0.0, "max_tokens": 10, "ignore_eos": True})  # gRPC holds no doubles
+    result = client.infer(MODEL, [text], parameters={"lora_name": "chat", "sampling_parameters": sampling})
+    assert [t.decode() for t in result.as_numpy("text_output")] == [want]
+    with pytest.raises(InferenceServerException) as err:
+        client.infer(MODEL, [text], parameters={"lora_name": "nope", "sampling_parameters": sampling})
+    assert "NOT_FOUND" in str(err.value.status()) and "nope" in err.value.message()
+
+
 def test_load_use_and_unload_an_adapter_at_run_time(server, client, oracle, adapters):
     want = expect(oracle, PROMPT, "late", max_tokens=16, **GREEDY).text
     r = post(server, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(adapters["late"])})
@@ -281,12 +299,17 @@ def test_runtime_updating_is_refused_without_the_switch(model_dir):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
+    from pagedserve.adapters.kserve.errors import OpenAIError
     from pagedserve.adapters.kserve.served_models import ServedModels, runtime_updating_allowed
 
     app = FastAPI()
     ServedModels(MODEL, lambda: None, lora_enabled=True, allow_runtime_updating=False).register(app)
     r = TestClient(app).post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(model_dir)})
     assert r.status_code == 404 and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in r.json()["error"]["message"]
+    # While the engine loads, a name that may be an adapter is a 503 (retry), not a 404.
+    with pytest.raises(OpenAIError) as err:
+        ServedModels(MODEL, lambda: None, lora_enabled=True).lora_name("sql")
+    assert err.value.status == 503
     assert runtime_updating_allowed(False, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
     assert not runtime_updating_allowed(False, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "0"})
     assert not runtime_updating_allowed(False, {})
