@@ -47,8 +47,8 @@ def load_engine_config(path: Path, model_override: str | None = None) -> EngineC
         modules = read_multi_lora(path.parent / MULTI_LORA_JSON)
         if modules is not None:
             if "lora_modules" in lora:
-                raise ConfigError(f"{path} names LoRA adapters (lora_modules) and so does {path.parent / MULTI_LORA_JSON}; "
-                                  "list them in one of the two", param="lora_modules")
+                raise ConfigError(f"{path} names LoRA adapters (lora_modules) and so does "
+                                  f"{path.parent / MULTI_LORA_JSON}; list them in one of the two", param="lora_modules")
             overrides["lora_modules"] = modules
         elif "lora_modules" not in lora:
             raise ConfigError(f"{path} sets enable_lora but there is no {MULTI_LORA_JSON} beside it: write "
