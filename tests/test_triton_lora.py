@@ -201,3 +201,26 @@ def test_vllm_backends_model_json_form_and_multi_lora_json(tmp_path, adapters):
     (tmp_path / "engine.json").write_text(json.dumps({"model": "default", "enable_lora": "false"}))
     assert not load_engine_config(tmp_path / "engine.json").lora.enable_lora
 
+
+
+def test_the_launchers_lora_flags_need_enable_lora_and_respect_a_lora_section(tmp_path, adapters):
+    """write_lora_settings edits a "lora" object where engine.json has one, refuses adapters named
+    both in engine.json and by --lora-modules, and LoRA flags without --enable-lora stop the command."""
+    from pagedserve.adapters.triton_server.launcher import build_parser
+    from pagedserve.adapters.triton_server.lora_repository import lora_settings_from_args, write_lora_settings
+
+    with pytest.raises(SystemExit, match="--enable-lora"):
+        lora_settings_from_args(build_parser().parse_args(["--lora-modules", f"sql={adapters['sql']}"]))
+    assert lora_settings_from_args(build_parser().parse_args([])) is None
+    settings, modules = lora_settings_from_args(build_parser().parse_args(
+        ["--enable-lora", "--max-loras", "3", "--lora-modules", f"sql={adapters['sql']}"]))
+    version = tmp_path / "m" / "1"
+    version.mkdir(parents=True)
+    (version / "engine.json").write_text(json.dumps({"model": "default", "lora": {"max_lora_rank": 8}}))
+    write_lora_settings(tmp_path, settings, modules)
+    assert json.loads((version / "engine.json").read_text()) == {
+        "model": "default", "lora": {"max_lora_rank": 8, "enable_lora": True, "max_loras": 3}}
+    assert load_engine_config(version / "engine.json").lora.lora_modules == {"sql": str(adapters["sql"])}
+    (version / "engine.json").write_text(json.dumps({"model": "default", "lora_modules": {"a": "/a"}}))
+    with pytest.raises(SystemExit, match="not both"):
+        write_lora_settings(tmp_path, settings, modules)
