@@ -1,11 +1,11 @@
 """The stacked adapter weights on the device, and the per-step batch the decoder applies them with.
 
-Per layer and projection (core/lora/peft.py, PROJECTIONS): A [max_loras, S * R, in] and
-B [max_loras, out, S * R], R = max_lora_rank, S the parts of a fused projection (3 for qkv, 2 for
-gate_up). Part s of an adapter takes rows [s*R, s*R + r) of its slot's A and those columns of B
-over its own output rows, so one shrink and one expand cover q, k and v at once (B is block
-diagonal); a smaller rank leaves zeros, which add nothing. A slot holds one adapter; a request of
-slot -1 runs the base model.
+Per layer and projection (core/lora/peft.py, PROJECTIONS): A [max_loras, S * R, in] and B
+transposed, [max_loras, S * R, out], R = max_lora_rank, S the parts of a fused projection (3 for
+qkv, 2 for gate_up). Part s of an adapter takes rows [s*R, s*R + r) of its slot's A and of B, the
+latter over its own output columns only, so one shrink and one expand cover q, k and v at once (B
+is block diagonal); a smaller rank leaves zeros, which add nothing. A slot holds one adapter; a
+request of slot -1 runs the base model.
 
 Residency is LRU over the slots: a step's adapters are loaded into the slots whose adapters that
 step does not use, the least recently used first. The scheduler never puts more than max_loras
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from pagedserve.core.lora.peft import PROJECTIONS, LoRAWeights, ProjectionShape
-from pagedserve.kernels.reference.lora import SlotRows
+from pagedserve.kernels.reference.lora import SlotGroups, make_slot_groups
 from pagedserve.kernels.reference.lora import lora_add as reference_lora_add
 
 
@@ -34,16 +34,18 @@ class LoRABatch:
     """Per layer: projection -> (stacked A, stacked B)."""
     token_slots: torch.Tensor
     """int32 [num_tokens]: the slot of each row, -1 for the base model."""
-    groups: dict[str, SlotRows]
-    """Per projection some adapter of the step changes: (slot, its rows or None for all) per slot."""
+    groups: dict[str, SlotGroups]
+    """Per projection some adapter of the step changes: the rows of each slot that changes it."""
     kernel: Callable[..., None]
+    out_slices: dict[str, tuple[int, ...]]
+    """Per projection: where each part's output rows start, and the end (kernels/reference/lora.py)."""
 
     def add(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += each row's adapter update of `projection` in `layer` for input x (in place)."""
         groups = self.groups.get(projection)
-        if groups:
+        if groups is not None:
             a, b = self.weights[layer][projection]
-            self.kernel(y, x, a, b, self.token_slots, groups)
+            self.kernel(y, x, a, b, self.token_slots, groups, self.out_slices[projection])
 
 
 class LoRASlots:
@@ -52,12 +54,13 @@ class LoRASlots:
                  load: Callable[[int], LoRAWeights]) -> None:
         """load(lora_id): the adapter's weights on the host (core/lora/manager.py)."""
         self.max_rank = max_rank
-        self.device = device
+        self.dtype, self.device = dtype, device
         self.load = load
         self.kernel = getattr(kernels, "lora_add", reference_lora_add)
+        self.out_slices = {p: tuple(o for o, _ in s.slices) + (s.out_features,) for p, s in shapes.items()}
         self.weights = [
             {p: (torch.zeros(max_loras, len(s.slices) * max_rank, s.in_features, dtype=dtype, device=device),
-                 torch.zeros(max_loras, s.out_features, len(s.slices) * max_rank, dtype=dtype, device=device))
+                 torch.zeros(max_loras, len(s.slices) * max_rank, s.out_features, dtype=dtype, device=device))
              for p, s in shapes.items()}
             for _ in range(num_layers)]
         self.resident: list[int | None] = [None] * max_loras
@@ -103,7 +106,7 @@ class LoRASlots:
             r = piece.a.shape[0]
             cols = slice(piece.slice * r_max, piece.slice * r_max + r)
             a[slot, cols].copy_(piece.a)
-            b[slot, piece.out_offset : piece.out_offset + piece.b.shape[0], cols].copy_(piece.b)
+            b[slot, cols, piece.out_offset : piece.out_offset + piece.b.shape[0]].copy_(piece.b.T)
         self.resident[slot], self.projections[slot] = lora_id, weights.projections
         self.num_loads += 1
 
@@ -115,10 +118,20 @@ class LoRASlots:
             return None
         where = self.slots_for(present)
         slot_of_request = np.array([where.get(i, -1) for i in lora_ids.tolist()], dtype=np.int32)
-        token_slots = np.repeat(slot_of_request, q_lens)
-        rows: dict[int, torch.Tensor | None] = {}
-        for slot in sorted(where.values()):
-            mask = token_slots == slot
-            rows[slot] = None if mask.all() else torch.from_numpy(np.flatnonzero(mask)).to(self.device)
-        groups = {p: tuple((s, r) for s, r in rows.items() if p in self.projections[s]) for p in PROJECTIONS}
-        return LoRABatch(self.weights, torch.from_numpy(token_slots).to(self.device), groups, self.kernel)
+        token_slots = torch.from_numpy(np.repeat(slot_of_request, q_lens))
+        groups: dict[str, SlotGroups] = {}
+        made: dict[tuple[int, ...], SlotGroups] = {}  # projections changed by the same slots share one
+        for p in PROJECTIONS:
+            slots = tuple(sorted(s for s in where.values() if p in self.projections[s]))
+            if slots and slots not in made:
+                made[slots] = self._on_device(make_slot_groups(token_slots, slots, len(self.resident), self.dtype))
+            if slots:
+                groups[p] = made[slots]
+        return LoRABatch(self.weights, token_slots.to(self.device), groups, self.kernel, self.out_slices)
+
+    def _on_device(self, g: SlotGroups) -> SlotGroups:
+        if self.device.type == "cpu":
+            return g
+        def dev(t):
+            return None if t is None else t.to(self.device, non_blocking=True)
+        return SlotGroups(g.slots, dev(g.slot_index), dev(g.rows), dev(g.pad))
