@@ -4,7 +4,8 @@ vLLM's load/unload routes and the v2 route, /metrics for vllm:lora_requests_info
 
 Oracle: the core engine in-process on the same model and adapters (LLMEngine.generate with the same
 lora_name); whether the engine's adapter math equals PEFT's is tests/ of the engine (issue 34's
-engine half). Each adapter is random with non-zero B, and the test first checks that the adapters'
+engine half). Each adapter is random with non-zero B, saved by PEFT itself (tests/lora_oracle.py), and
+the test first checks that the adapters'
 tokens differ from the base model's and from each other's, so a server that ran the wrong adapter
 (or none) cannot pass."""
 
@@ -25,7 +26,7 @@ from pagedserve.core.sampling_params import SamplingParams
 from tests.harness import ONE_THREAD
 from tests.harness.kserve_launch import start_kserve
 from tests.kserve_server import with_chat_template
-from tests.lora_adapters import write_peft_adapter
+from tests.lora_oracle import make_adapter
 from tests.reliability_helpers import kserve_hooks_env
 
 pytestmark = pytest.mark.timeout(300)
@@ -35,6 +36,8 @@ KEY = "lora-test-key"
 PROMPT = "The paged KV cache hands out fixed-size blocks"
 MESSAGES = [{"role": "user", "content": "What is batching?"}]
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+STD = 0.1
+"""Of the adapters' random A and B: large enough that each changes the tiny model's greedy tokens."""
 STEP_DELAY_S = 0.01
 """Each engine step takes at least this long in the server (test hook), so a long stream is still
 running while the test does something else."""
@@ -50,10 +53,10 @@ def adapters(model_dir, tmp_path_factory):
     """name -> PEFT directory: two served from the start, one loaded at run time, one the engine
     must refuse (rank 16 over --max-lora-rank 8)."""
     root = tmp_path_factory.mktemp("kserve-lora-adapters")
-    return {"sql": write_peft_adapter(root / "sql", model_dir, seed=1),
-            "chat": write_peft_adapter(root / "chat", model_dir, seed=2, target_modules=("q_proj", "v_proj")),
-            "late": write_peft_adapter(root / "late", model_dir, seed=3),
-            "too-wide": write_peft_adapter(root / "too-wide", model_dir, seed=4, rank=16)}
+    return {"sql": make_adapter(model_dir, root / "sql", seed=1, std=STD),
+            "chat": make_adapter(model_dir, root / "chat", seed=2, std=STD, targets=("q_proj", "v_proj")),
+            "late": make_adapter(model_dir, root / "late", seed=3, std=STD),
+            "too-wide": make_adapter(model_dir, root / "too-wide", seed=4, std=STD, r=16)}
 
 
 @pytest.fixture(scope="module")

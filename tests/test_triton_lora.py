@@ -4,7 +4,7 @@ it on the real tritonserver; tritonclient picks adapters by `lora_name`: in samp
 (vllm_backend's text contract) and as the token contract's input.
 
 Oracle: the core engine in-process with the same model and adapters (LLMEngine.generate with the
-same lora_name); the adapters are random with non-zero B and differ from the base model and each
+same lora_name); the adapters are random with non-zero B, saved by PEFT (tests/lora_oracle.py), and differ from the base model and each
 other (tests/test_kserve_lora.py checks that of the oracle)."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pagedserve.core.sampling_params import SamplingParams
 from tests.harness import ONE_THREAD
 from tests.harness.local_ports import free_ports
 from tests.harness.readiness import wait_until_ready
-from tests.lora_adapters import write_peft_adapter
+from tests.lora_oracle import make_adapter
 from tests.reliability_helpers import install_triton_hooks
 from tests.triton_helpers import GrpcStream, grpc_request, http_post, text_inputs, token_inputs, wait_for
 
@@ -38,6 +38,8 @@ pytestmark = pytest.mark.timeout(300)
 
 PROMPT = "The paged KV cache hands out fixed-size blocks"
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+STD = 0.1
+"""Of the adapters' random A and B: large enough that each changes the tiny model's greedy tokens."""
 STEP_DELAY_S = 0.01
 
 
@@ -49,8 +51,8 @@ def model_dir(tiny_model_dir):
 @pytest.fixture(scope="module")
 def adapters(model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("triton-lora-adapters")
-    return {"sql": write_peft_adapter(root / "sql", model_dir, seed=1),
-            "chat": write_peft_adapter(root / "chat", model_dir, seed=2, target_modules=("q_proj", "v_proj"))}
+    return {"sql": make_adapter(model_dir, root / "sql", seed=1, std=STD),
+            "chat": make_adapter(model_dir, root / "chat", seed=2, std=STD, targets=("q_proj", "v_proj"))}
 
 
 class LauncherServer:
