@@ -13,6 +13,9 @@ and vLLM's Grafana dashboards query those names and take no prefix setting, so a
 replica is read as a vLLM one with no configuration. The cost is one more family per metric at
 scrape time. `vllm:cache_config_info` (value 1) carries the KV cache's shape as labels
 (`block_size`, `num_gpu_blocks`, ... as vLLM's), which routers read to size prefix-aware routing.
+With LoRA on, `vllm:lora_requests_info` carries the adapters in use as labels (lora_info_labels),
+which the Gateway API Inference Extension reads to route a request to a replica that already holds
+its adapter.
 """
 
 from __future__ import annotations
@@ -25,13 +28,17 @@ from typing import TYPE_CHECKING
 
 from pagedserve.core.metrics import Histogram, MetricsSnapshot
 
-if TYPE_CHECKING:  # only its attributes are read: no engine import for the metric table
+if TYPE_CHECKING:  # only their attributes are read: no engine import for the metric table
     from pagedserve.core.async_engine import ModelInfo
+    from pagedserve.core.lora import LoRAStats
 
 PREFIX = "pagedserve:"
 VLLM_PREFIX = "vllm:"
 CACHE_CONFIG_INFO = VLLM_PREFIX + "cache_config_info"
 CACHE_CONFIG_DESCRIPTION = "Information of the KV cache's configuration (value 1; the settings are the labels)."
+LORA_INFO = VLLM_PREFIX + "lora_requests_info"
+LORA_INFO_DESCRIPTION = "Running stats on lora requests."
+"""vLLM's name and help text. Exported only when the engine serves LoRA adapters, like vLLM's."""
 
 
 class MetricKind(Enum):
@@ -126,6 +133,15 @@ def cache_config_labels(info: ModelInfo) -> dict[str, str]:
     """vllm:cache_config_info's labels (vLLM's CacheConfig field names, values as strings)."""
     return {"block_size": str(info.block_size), "num_gpu_blocks": str(info.num_kv_blocks),
             "cache_dtype": info.kv_cache_dtype, "enable_prefix_caching": str(info.enable_prefix_caching)}
+
+
+def lora_info_labels(stats: LoRAStats) -> dict[str, str]:
+    """vllm:lora_requests_info's labels, as vLLM sets them: the adapters of the running and of the
+    waiting requests, each joined by commas (empty when none), and max_lora (adapters resident at
+    once). Its value is the Unix time the labels were read: vLLM sets the gauge to the current time
+    on every update, and routers (the Gateway API Inference Extension) take the newest sample."""
+    return {"max_lora": str(stats.max_lora), "waiting_lora_adapters": ",".join(stats.waiting),
+            "running_lora_adapters": ",".join(stats.running)}
 
 
 def cumulative_buckets(hist: Histogram) -> list[tuple[float, int]]:

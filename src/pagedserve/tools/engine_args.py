@@ -2,7 +2,8 @@
 generate`, `pagedserve kserve`, `pagedserve run-batch`, `pagedserve tune`), so each flag is
 spelled, documented and turned into an EngineConfig in one place.
 
-`pagedserve triton` takes no engine flags: a Triton model reads its engine.json (docs/triton.md).
+`pagedserve triton` takes only the LoRA flags (add_lora_args), which it writes into the repository
+it serves; a Triton model reads its other settings from its engine.json (docs/triton.md).
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="seconds requests in flight get to finish on SIGTERM (default 20)")
     p.add_argument("--record-workload", default=None, metavar="PATH",
                    help="append each finished request's arrival time and lengths (no text) to PATH, for `tune`")
+    add_lora_args(p)
+    p.add_argument("--engine-config", default=None, help="JSON file of engine settings (flags override it)")
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's LoRA flags; also `pagedserve triton`'s, which writes them into the repository it serves."""
     p.add_argument("--enable-lora", action="store_true", default=None,
                    help="serve LoRA adapters chosen per request (docs/lora.md)")
     p.add_argument("--max-loras", type=int, default=None, help="adapters resident at once, in one step (default 1)")
@@ -52,7 +59,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="adapters kept in host memory, LRU (default: --max-loras)")
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help='adapters loaded at start: name=path or \'{"name": ..., "path": ...}\' (needs --enable-lora)')
-    p.add_argument("--engine-config", default=None, help="JSON file of engine settings (flags override it)")
 
 
 def engine_config_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> EngineConfig:

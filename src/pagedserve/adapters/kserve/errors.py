@@ -6,11 +6,12 @@ OpenAI clients parse `{"error": {"message", "type", "param", "code"}}` and raise
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.core.errors import (EngineDead, EngineOverloaded, EngineShuttingDown, EngineStepFailed,
-                                    InvalidRequest, PagedServeError, RequestTooLong)
+                                    InvalidRequest, PagedServeError, RequestTooLong, UnknownLoRAAdapter)
 
 RETRY_AFTER_S = 1
 """Retry-After (seconds) on 429/503 answers a client may retry: a full queue, a draining server."""
@@ -38,6 +39,8 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return exc
     if isinstance(exc, RequestTooLong):
         return OpenAIError(400, str(exc), param=exc.param, code="context_length_exceeded")
+    if isinstance(exc, UnknownLoRAAdapter):  # the adapter went between the route's check and the engine's
+        return OpenAIError(404, str(exc), type="NotFoundError", param=exc.param or "model", code="model_not_found")
     if isinstance(exc, InvalidRequest):  # also DuplicateRequest
         return OpenAIError(400, str(exc), param=exc.param)
     if isinstance(exc, EngineOverloaded):  # the waiting queue is full: back off and retry
@@ -63,8 +66,12 @@ def error_headers(err: OpenAIError) -> dict[str, str] | None:
     return {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
 
 
-def model_not_found(requested: str, served: str) -> OpenAIError:
-    return OpenAIError(404, f"The model `{requested}` does not exist; this server serves `{served}`",
+def model_not_found(requested: str, served: str | Sequence[str]) -> OpenAIError:
+    """vLLM's 404 for a `model` the server does not serve, naming those it does (the base model and
+    any LoRA adapters)."""
+    names = [served] if isinstance(served, str) else list(served)
+    listed = ", ".join(f"`{n}`" for n in names)
+    return OpenAIError(404, f"The model `{requested}` does not exist; this server serves {listed}",
                        param="model", code="model_not_found")
 
 

@@ -10,7 +10,8 @@
   variable, checked against `Authorization: Bearer <key>`): 401 without it, on /openai/v1/... and
   on the same routes under /v1 (completions, chat/completions, models; that last one is also
   KServe's v1 model list, which then needs the key too), and on vLLM's /tokenize and /detokenize
-  (vllm-router forwards the client's Authorization header there). Health, metrics and the v1/v2 inference
+  (vllm-router forwards the client's Authorization header there), and on vLLM's
+  /v1/load_lora_adapter and /v1/unload_lora_adapter. Health, metrics and the v1/v2 inference
   routes stay open, as in vLLM, where only the OpenAI routes are guarded.
 * `X-Request-Timeout: <seconds>`: a request's own deadline (OpenAI's bodies have no field for
   one); past it the request ends with finish_reason "timeout".
@@ -28,8 +29,9 @@ from pagedserve.adapters.kserve.errors import OpenAIError, error_body
 OPENAI_PREFIX = "/openai/"
 OPENAI_V1_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
 """The OpenAI routes also served under /v1 (vLLM's paths): guarded and answered like /openai/v1."""
-KEYED_PATHS = OPENAI_V1_PATHS | {"/tokenize", "/detokenize"}
-"""Every path outside /openai/ the API key guards: the /v1 OpenAI routes and vLLM's tokenizer routes."""
+KEYED_PATHS = OPENAI_V1_PATHS | {"/tokenize", "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+"""Every path outside /openai/ the API key guards: the /v1 OpenAI routes, vLLM's tokenizer routes and
+its LoRA adapter routes (served_models.py)."""
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 TIMEOUT_HEADER = "x-request-timeout"
 DISCARD_LIMIT_BYTES = 256 * 1024**2

@@ -6,21 +6,27 @@ MetricsSnapshot (lock-free, docs/design.md), so nothing is updated on the reques
 
 Each family is exported twice (adapters/engine_metrics.py): as `pagedserve:x` with the labels
 `model` and `version`, and, where vLLM has it, as `vllm:x` with vLLM's OpenAI server's label
-`model_name`; then `vllm:cache_config_info`.
+`model_name`; then `vllm:cache_config_info`, and `vllm:lora_requests_info` when LoRA is on.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 from pagedserve.adapters.engine_metrics import (CACHE_CONFIG_DESCRIPTION, CACHE_CONFIG_INFO, ENGINE_METRICS,
-                                                LABELLED_COUNTERS, VLLM_LABELLED_COUNTERS, VLLM_METRICS, EngineMetric,
-                                                LabelledCounter, MetricKind, cache_config_labels, cumulative_buckets)
+                                                LABELLED_COUNTERS, LORA_INFO, LORA_INFO_DESCRIPTION,
+                                                VLLM_LABELLED_COUNTERS, VLLM_METRICS, EngineMetric, LabelledCounter,
+                                                MetricKind, cache_config_labels, cumulative_buckets, lora_info_labels)
 from pagedserve.core.async_engine import ModelInfo
 from pagedserve.core.metrics import MetricsSnapshot
+
+if TYPE_CHECKING:  # only its attributes are read: no engine import for the exporter
+    from pagedserve.core.lora import LoRAStats
 
 LABELS = ("model", "version")
 VLLM_LABELS = ("model_name",)
@@ -29,10 +35,13 @@ VLLM_LABELS = ("model_name",)
 
 class EngineMetricsCollector:
     def __init__(self, read_snapshot: Callable[[], MetricsSnapshot | None], model: str, version: str,
-                 read_model_info: Callable[[], ModelInfo | None] = lambda: None) -> None:
+                 read_model_info: Callable[[], ModelInfo | None] = lambda: None,
+                 read_lora_stats: Callable[[], LoRAStats | None] = lambda: None) -> None:
         self._read = read_snapshot
         """None until the engine exists: then nothing is exported (no made-up zeros)."""
         self._read_info = read_model_info
+        self._read_lora = read_lora_stats
+        """None unless the engine serves LoRA adapters (vllm:lora_requests_info is then left out, as by vLLM)."""
         self._labels = [model, version]
         self._vllm_labels = [model]
 
@@ -51,6 +60,12 @@ class EngineMetricsCollector:
             cache = cache_config_labels(info)
             family = GaugeMetricFamily(CACHE_CONFIG_INFO, CACHE_CONFIG_DESCRIPTION, labels=(*VLLM_LABELS, *cache))
             family.add_metric([*self._vllm_labels, *cache.values()], 1.0)
+            yield family
+        lora = self._read_lora()
+        if lora is not None:  # vLLM's labels only (no model_name), its value the time of this reading
+            labels = lora_info_labels(lora)
+            family = GaugeMetricFamily(LORA_INFO, LORA_INFO_DESCRIPTION, labels=tuple(labels))
+            family.add_metric(list(labels.values()), time.time())
             yield family
 
 

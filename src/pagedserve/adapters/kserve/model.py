@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 from kserve import InferOutput, InferRequest, InferResponse, Model
-from grpc_interceptor.exceptions import Internal, ResourceExhausted, Unavailable
+from grpc_interceptor.exceptions import Internal, NotFound, ResourceExhausted, Unavailable
 from kserve.errors import InvalidInput
 
 from pagedserve.adapters.kserve.errors import OpenAIError, error_headers, not_ready, to_openai_error
@@ -31,6 +31,7 @@ from pagedserve.adapters.kserve.protocol import infer_params, text_inputs
 from pagedserve.core.async_engine import AsyncLLMEngine
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.errors import PagedServeError
+from pagedserve.core.lora import LoRAStats
 from pagedserve.core.metrics import MetricsSnapshot
 from pagedserve.core.sampling_params import SamplingParams
 
@@ -123,6 +124,10 @@ class PagedServeModel(Model):
     def metrics_snapshot(self) -> MetricsSnapshot | None:
         return self.llm.metrics if self.llm is not None else None
 
+    def lora_stats(self) -> LoRAStats | None:
+        """vllm:lora_requests_info's source: None until the engine exists or when LoRA is off."""
+        return self.llm.lora_stats() if self.llm is not None and self.config.lora.enable_lora else None
+
     async def healthy(self) -> bool:
         return self._warm and not self._draining and self.llm is not None and self.llm.is_healthy()
 
@@ -162,7 +167,8 @@ class PagedServeModel(Model):
             if err.status == 400:
                 raise InvalidInput(err.message) from None
             if isinstance(payload, InferRequest) and payload.from_grpc:  # kserve maps these to gRPC codes
-                raise {429: ResourceExhausted, 503: Unavailable}.get(err.status, Internal)(err.message) from None
+                raise {404: NotFound, 429: ResourceExhausted, 503: Unavailable}.get(err.status, Internal)(
+                    err.message) from None
             raise HTTPStatusError(err) from None
 
     async def _predict_v2(self, request: InferRequest, timeout: float | None) -> InferResponse:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -23,11 +22,12 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pagedserve.adapters.kserve.errors import (OpenAIError, error_body, error_headers, model_not_found, not_ready,
+from pagedserve.adapters.kserve.errors import (OpenAIError, error_body, model_not_found, not_ready,
                                                to_openai_error)
 from pagedserve.adapters.kserve.guards import request_timeout
 from pagedserve.adapters.kserve.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from pagedserve.adapters.kserve.responses import CompletionRenderer, StreamUsage, ResponseRenderer
+from pagedserve.adapters.kserve.served_models import ServedModels, error_response
 from pagedserve.adapters.kserve.tool_responses import chat_renderer
 from pagedserve.core.async_engine import AsyncLLMEngine
 from pagedserve.core.errors import PagedServeError
@@ -44,11 +44,6 @@ Output = tuple[int, RequestOutput]  # (prompt index, delta)
 
 class ClientDisconnected(Exception):
     pass
-
-
-def error_response(exc: BaseException) -> JSONResponse:
-    err = to_openai_error(exc)
-    return JSONResponse(error_body(err), status_code=err.status, headers=error_headers(err))
 
 
 LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
@@ -122,13 +117,14 @@ async def _collect(outputs: AsyncIterator[Output], renderer: ResponseRenderer) -
 
 class OpenAIServing:
     def __init__(self, model_name: str, get_engine: Callable[[], AsyncLLMEngine | None],
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, models: ServedModels | None = None) -> None:
         self.model_name = model_name
         self._get_engine = get_engine
         """Returns the engine once it has warmed up, None while it loads."""
         self.tool_call_parser = tool_call_parser
         """--tool-call-parser: how tool_choice "auto" finds calls in the text (None: "auto" is refused)."""
-        self.created = int(time.time())
+        self.models_served = models or ServedModels(model_name, get_engine)
+        """The base model and its LoRA adapters: which one a request's `model` runs (served_models.py)."""
 
     def register(self, app: FastAPI) -> None:
         """The routes under /openai/v1 (KServe's huggingfaceserver paths), the same handlers under /v1
@@ -144,14 +140,13 @@ class OpenAIServing:
         # still reaches kserve's handler, Starlette prefers a route whose method matches too).
         app.add_api_route("/v1/models/{model_id:path}", self.model_readiness, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
-
-    def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve"}
+        self.models_served.register(app)  # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     async def models(self, request: Request) -> Response:
-        """OpenAI's model list (`object`, `data`) and, beside it, KServe's v1 one (`models`: the names):
-        one body both kinds of client read, since `GET /v1/models` is each protocol's list."""
-        return JSONResponse({"object": "list", "data": [self._model_card()], "models": [self.model_name]})
+        """OpenAI's model list (`object`, `data`: the base model, then its LoRA adapters with vLLM's
+        `root` and `parent`) and, beside it, KServe's v1 one (`models`: the kserve model's name): one
+        body both kinds of client read, since `GET /v1/models` is each protocol's list."""
+        return JSONResponse({"object": "list", "data": self.models_served.cards(), "models": [self.model_name]})
 
     def _serving(self) -> bool:
         """Ready for requests: loaded and warmed up, not draining, the engine alive."""
@@ -167,20 +162,23 @@ class OpenAIServing:
         """`GET /v1/models/{id}`: KServe's v1 readiness check and OpenAI's models.retrieve at vLLM's base
         URL, one path for both. The body carries both forms (KServe's `name`/`ready` beside OpenAI's
         model card); statuses are KServe's: 503 while not ready (its client reads that as "not
-        ready", the openai SDK raises), 404 for another model. No API key, as for every probe."""
-        if model_id != self.model_name:
-            return error_response(model_not_found(model_id, self.model_name))
+        ready", the openai SDK raises), 404 for another model. No API key, as for every probe.
+        A LoRA adapter's id answers too (OpenAI's models.retrieve), with its card."""
+        card = self.models_served.card(model_id)
+        if card is None:
+            return error_response(model_not_found(model_id, self.models_served.known()))
         if not self._serving():
             return error_response(OpenAIError(
                 503, f"model `{model_id}` is not ready: it is loading, draining or its engine stopped; "
                      "retry when this route answers 200", type="service_unavailable_error", code="model_not_ready"))
-        return JSONResponse({**self._model_card(), "name": self.model_name, "ready": True})
+        return JSONResponse({**card, "name": model_id, "ready": True})
 
     async def model(self, model_id: str) -> Response:
-        """OpenAI's models.retrieve: the served model, or a 404 in OpenAI's error shape."""
-        if model_id != self.model_name:
-            return error_response(model_not_found(model_id, self.model_name))
-        return JSONResponse(self._model_card())
+        """OpenAI's models.retrieve: the base model's or an adapter's card, or a 404 in OpenAI's error shape."""
+        card = self.models_served.card(model_id)
+        if card is None:
+            return error_response(model_not_found(model_id, self.models_served.known()))
+        return JSONResponse(card)
 
     def _engine(self) -> AsyncLLMEngine:
         engine = self._get_engine()
@@ -188,21 +186,25 @@ class OpenAIServing:
             raise not_ready()
         return engine
 
-    async def _accept(self, cls: type[R], request: Request) -> tuple[R, AsyncLLMEngine]:
-        """The validated body of a request for the served model, and the engine to run it on."""
+    async def _accept(self, cls: type[R], request: Request) -> tuple[R, AsyncLLMEngine, dict[str, Any]]:
+        """The validated body of a request for a served model, the engine to run it on, and the
+        engine's keyword arguments: the request's own (cache_salt) and the LoRA adapter its `model` names."""
         req = parse_request(cls, await request.body())
-        if req.model != self.model_name:
-            raise model_not_found(req.model, self.model_name)
-        return req, self._engine()
+        lora_name = self.models_served.lora_name(req.model)
+        engine = self._engine()
+        kwargs = req.engine_kwargs()
+        if lora_name is not None:
+            kwargs["lora_name"] = lora_name
+        return req, engine, kwargs
 
     async def completions(self, request: Request) -> Response:
         try:
-            req, engine = await self._accept(CompletionRequest, request)
-            prompts, params, kwargs = req.prompts(), req.sampling_params(), req.engine_kwargs()
+            req, engine, kwargs = await self._accept(CompletionRequest, request)
+            prompts, params = req.prompts(), req.sampling_params()
         except (OpenAIError, PagedServeError) as exc:
             return error_response(exc)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        renderer = CompletionRenderer(request_id, self.model_name, engine.decode, params.n,
+        renderer = CompletionRenderer(request_id, req.model, engine.decode, params.n,
                                       params.logprobs is not None, bool(req.echo), prompts, req.echo_only,
                                       want_prompt_logprobs=req.prompt_logprobs is not None)
         return await self._respond(request, engine, prompts, params, kwargs, renderer, bool(req.stream),
@@ -210,16 +212,16 @@ class OpenAIServing:
 
     async def chat_completions(self, request: Request) -> Response:
         try:
-            req, engine = await self._accept(ChatCompletionRequest, request)
+            req, engine, kwargs = await self._accept(ChatCompletionRequest, request)
             tools = req.tool_plan(self.tool_call_parser)
-            params, kwargs = req.sampling_params(tools), req.engine_kwargs()
+            params = req.sampling_params(tools)
             # Refused unrendered if the contents alone cannot fit; rendered off the event loop.
             prompt = await engine.apply_chat_template(req.template_messages(), tools=tools.template_tools,
                                                       add_generation_prompt=req.add_generation_prompt is not False)
         except (OpenAIError, PagedServeError) as exc:
             return error_response(exc)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        renderer = chat_renderer(request_id, self.model_name, engine.decode, params.n, params.logprobs is not None,
+        renderer = chat_renderer(request_id, req.model, engine.decode, params.n, params.logprobs is not None,
                                  tools, want_prompt_logprobs=req.prompt_logprobs is not None)
         return await self._respond(request, engine, [prompt], params, kwargs, renderer, bool(req.stream),
                                    req.stream_usage)

@@ -345,9 +345,10 @@ _KSERVE_PARAMETERS = {"binary_data_output"}
 
 def infer_params(parameters: Any) -> tuple[SamplingParams, dict[str, Any]]:
     """v2 infer request parameters (a REST dict, or gRPC's map of InferParameter) -> SamplingParams
-    and the engine's keyword arguments (cache_salt).
+    and the engine's keyword arguments (cache_salt, lora_name).
 
-    Each parameter is a sampling parameter, `cache_salt`, or `sampling_parameters`: a JSON object in
+    Each parameter is a sampling parameter, `cache_salt`, `lora_name` (the LoRA adapter to run, as
+    Triton's vllm_backend takes it), or `sampling_parameters`: a JSON object in
     a string (the Triton LLM convention), which also carries what scalar parameters cannot: lists
     (stop) and, over gRPC, floats: kserve's gRPC InferParameter has no double field, so a client's
     double (tritonclient's temperature=0.0) arrives with no value.
@@ -367,8 +368,14 @@ def infer_params(parameters: Any) -> tuple[SamplingParams, dict[str, Any]]:
             data.update(_json_object(value, key))
         else:
             data[key] = value
-    cache_salt = check_cache_salt(data.pop("cache_salt", None))
-    return SamplingParams.from_dict(data), {"cache_salt": cache_salt}
+    kwargs: dict[str, Any] = {"cache_salt": check_cache_salt(data.pop("cache_salt", None))}
+    lora_name = data.pop("lora_name", None)
+    if lora_name is not None:
+        if not isinstance(lora_name, str) or not lora_name:
+            raise OpenAIError(400, f"lora_name={lora_name!r}: expected the name of a loaded LoRA adapter "
+                                   "(GET /v1/models lists them)", param="lora_name")
+        kwargs["lora_name"] = lora_name
+    return SamplingParams.from_dict(data), kwargs
 
 
 def _json_object(value: Any, what: str) -> dict[str, Any]:

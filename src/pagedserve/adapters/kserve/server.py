@@ -3,10 +3,12 @@
     pagedserve kserve --model PATH_OR_default --model-name NAME [--host 0.0.0.0]
                       [--http-port 8080] [--grpc-port 8081] [--no-grpc] [--api-key KEY]
                       [--tool-call-parser hermes|llama3_json|mistral]
+                      [--enable-lora --lora-modules NAME=PATH ... [--allow-runtime-lora-updating]]
                       [--max-model-len N] [engine and limit flags]
 
 Routes: OpenAI (/openai/v1/completions, /chat/completions, /models, and the same under /v1, vLLM's
-paths; `GET /v1/models` is also KServe's v1 model list), /health (vLLM's), Open Inference Protocol v2
+paths; `GET /v1/models` is also KServe's v1 model list; with LoRA, `model` names the base model or an
+adapter, and vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter), /health (vLLM's), Open Inference Protocol v2
 (REST and gRPC ModelInfer), v1 :predict, health and readiness, /metrics. Arguments are parsed in
 main(); nothing runs at import, and kserve is imported only here and in model.py (it cannot share
 a process with tritonclient.grpc, docs/contracts.md).
@@ -44,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"require `Authorization: Bearer KEY` on the OpenAI routes (default: ${API_KEY_ENV}, "
                         "if set; else no key)")
     add_tool_call_parser_arg(p)
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM with "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, which turns them on too); needs --enable-lora")
     return p
 
 
@@ -115,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     from pagedserve.adapters.kserve.metrics import EngineMetricsCollector
     from pagedserve.adapters.kserve.model import PagedServeModel
     from pagedserve.adapters.kserve.openai_routes import OpenAIServing
+    from pagedserve.adapters.kserve.served_models import ServedModels, runtime_updating_allowed
     from pagedserve.adapters.kserve.tokenize_routes import TokenizeServing
 
     # A dead engine stops the server the way SIGTERM does (drain, exit), so the platform restarts it.
@@ -122,10 +128,13 @@ def main(argv: list[str] | None = None) -> int:
                             on_engine_dead=lambda: os.kill(os.getpid(), signal.SIGTERM))
     _patch_rest_server(args.host, model.begin_drain)
     _install_guards(model_server.app, config.limits, args.api_key or os.environ.get(API_KEY_ENV))
-    OpenAIServing(args.model_name, model.warm_engine, args.tool_call_parser).register(model_server.app)
-    TokenizeServing(args.model_name, model.warm_engine).register(model_server.app)  # vllm-router's prefix routing
+    models = ServedModels(args.model_name, model.warm_engine, lora_enabled=config.lora.enable_lora,
+                          allow_runtime_updating=runtime_updating_allowed(args.allow_runtime_lora_updating))
+    OpenAIServing(args.model_name, model.warm_engine, args.tool_call_parser, models).register(model_server.app)
+    TokenizeServing(args.model_name, model.warm_engine, models).register(model_server.app)  # vllm-router's routing
     REGISTRY.register(EngineMetricsCollector(model.metrics_snapshot, args.model_name, args.model_version,
-                                             lambda: model.llm.model_info if model.llm is not None else None))
+                                             lambda: model.llm.model_info if model.llm is not None else None,
+                                             model.lora_stats))
     # uvicorn's own graceful-shutdown timeout is a backstop a little past the drain period.
     grace = int(config.limits.drain_timeout) + 5
     ModelServer(http_port=args.http_port, grpc_port=args.grpc_port, enable_grpc=not args.no_grpc,

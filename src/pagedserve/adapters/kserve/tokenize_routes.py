@@ -9,6 +9,7 @@ encodes it), so the router's prefix tree and the replica's prefix cache see the 
 
 Bodies and answers are vLLM's: `{"model"?, "prompt"}` or `{"model"?, "messages", "add_generation_prompt"?}`
 -> `{"count", "max_model_len", "tokens", "token_strs": null}`; `{"model"?, "tokens"}` -> `{"prompt"}`.
+`model` may name the base model or one of its LoRA adapters (they share the tokenizer).
 Both need the API key when one is set, like the OpenAI routes (guards.py). This module imports no
 kserve, like openai_routes.py.
 """
@@ -23,8 +24,9 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pagedserve.adapters.kserve.errors import OpenAIError, model_not_found, not_ready
+from pagedserve.adapters.kserve.errors import OpenAIError, not_ready
 from pagedserve.adapters.kserve.openai_routes import error_response
+from pagedserve.adapters.kserve.served_models import ServedModels
 from pagedserve.adapters.kserve.protocol import ChatMessage, _Strict, parse_request, template_messages
 from pagedserve.core.async_engine import AsyncLLMEngine
 from pagedserve.core.errors import PagedServeError
@@ -67,18 +69,20 @@ class DetokenizeRequest(_Strict):
 
 
 class TokenizeServing:
-    def __init__(self, model_name: str, get_engine: Callable[[], AsyncLLMEngine | None]) -> None:
+    def __init__(self, model_name: str, get_engine: Callable[[], AsyncLLMEngine | None],
+                 models: ServedModels | None = None) -> None:
         self.model_name = model_name
         self._get_engine = get_engine
         """Returns the engine once it has warmed up, None while it loads."""
+        self.models = models or ServedModels(model_name, get_engine)
+        """Which names a request may give: the base model's or a LoRA adapter's (one tokenizer for all)."""
 
     def register(self, app: FastAPI) -> None:
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
 
     def _engine(self, model: str | None) -> AsyncLLMEngine:
-        if model is not None and model != self.model_name:
-            raise model_not_found(model, self.model_name)
+        self.models.lora_name(model)  # 404 for a name not served; an adapter tokenizes as its base model
         engine = self._get_engine()
         if engine is None:
             raise not_ready()

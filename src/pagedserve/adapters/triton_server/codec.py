@@ -21,6 +21,12 @@ response of the first token; a non-streaming request in its one response.
 here, since that is where vllm_backend clients put request options; it is also an input of its own
 (shared with the token contract), so Triton's `/generate` turns a body's "cache_salt" into that
 tensor. It goes to the engine beside the SamplingParams, never into them.
+
+`lora_name` (the LoRA adapter to run, vllm_backend's sampling key) is read the same way: a sampling
+key, a request parameter, or the input of that name (shared with the token contract); beside the
+SamplingParams too. vllm_backend checks it against its multi_lora.json; here the engine knows
+the adapters (engine.json's lora settings and multi_lora.json, engine_config.py) and an unknown
+name ends that request alone with an error naming the adapters there are.
 """
 
 from __future__ import annotations
@@ -45,7 +51,11 @@ RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_log
 BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
 CACHE_SALT = "cache_salt"
 """An input of both contracts (STRING [1]); on a text request also a sampling key."""
-TEXT_INPUTS = ("text_input", "sampling_parameters", CACHE_SALT, *BOOL_INPUTS)
+LORA_NAME = "lora_name"
+"""The LoRA adapter a request runs (vllm_backend's sampling key, read from sampling_parameters or
+the request parameters); also an input of both contracts (STRING [1]), the token contract's way to
+name one. Absent: the base model."""
+TEXT_INPUTS = ("text_input", "sampling_parameters", CACHE_SALT, LORA_NAME, *BOOL_INPUTS)
 
 # vllm_backend's string-to-number conversions (its _get_sampling_params_dict), so its clients work.
 _INT_KEYS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "best_of")
@@ -152,6 +162,33 @@ def cache_salt_input(tensors: Mapping[str, np.ndarray | None], fallback: Any = N
     return check_cache_salt(value)
 
 
+def lora_name_input(tensors: Mapping[str, np.ndarray | None], fallback: Any = None) -> str | None:
+    """The `lora_name` input (else `fallback`, a sampling key's or request parameter's value),
+    checked: None or a non-empty string. Whether the engine has that adapter is the engine's to say."""
+    value = scalar(tensors.get(LORA_NAME), LORA_NAME)
+    if value is None:
+        value = fallback
+    if isinstance(value, (bytes, bytearray)):
+        value = decode_utf8(value, LORA_NAME)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise InvalidRequest(f"{LORA_NAME}={value!r}: expected the name of a LoRA adapter (a key of the model's "
+                             "multi_lora.json), or leave it out for the base model", param=LORA_NAME)
+    return value
+
+
+def _shared_key(name: str, tensors: Mapping[str, np.ndarray | None], from_params: Mapping[str, Any],
+                sampling: dict[str, Any]) -> Any:
+    """A key the engine takes beside SamplingParams (cache_salt, lora_name), popped from `sampling`:
+    its value as a sampling key, or None when it came as the input of that name (or a request
+    parameter naming it), which the caller then reads. Both at once is an error."""
+    key = sampling.pop(name, None)
+    as_input = tensors.get(name) is not None or from_params.get(name) is not None
+    if as_input and key is not None:
+        raise InvalidRequest(f"{name} is given twice, as the input {name!r} and as a sampling parameter; "
+                             "send it once", param=name)
+    return from_params.get(name) if as_input else key
+
+
 @dataclass(frozen=True)
 class TextRequest:
     prompt: str
@@ -164,6 +201,8 @@ class TextRequest:
     """Whether the client asked for logprobs (the adapter may ask the engine for them anyway, to
     report cumulative_logprob)."""
     cache_salt: str | None = None
+    lora_name: str | None = None
+    """The LoRA adapter to run (None: the base model)."""
 
     @property
     def generates(self) -> bool:
@@ -194,13 +233,9 @@ def parse_text_request(tensors: Mapping[str, np.ndarray | None], parameters_json
         if key in sampling:
             raise InvalidRequest(f"{key} is given twice, as the input {key!r} and as a sampling parameter; send it once")
         sampling = {**sampling, key: value}
-    sampling = dict(sampling)
-    salt_key = sampling.pop(CACHE_SALT, None)  # the engine takes it beside SamplingParams
-    salt_input = tensors.get(CACHE_SALT) is not None or from_params.get(CACHE_SALT) is not None
-    if salt_input and salt_key is not None:
-        raise InvalidRequest(f"{CACHE_SALT} is given twice, as the input {CACHE_SALT!r} and as a sampling parameter; "
-                             "send it once", param=CACHE_SALT)
-    cache_salt = cache_salt_input(tensors, from_params.get(CACHE_SALT) if salt_input else salt_key)
+    sampling = dict(sampling)  # the engine takes these two beside SamplingParams
+    cache_salt = cache_salt_input(tensors, _shared_key(CACHE_SALT, tensors, from_params, sampling))
+    lora_name = lora_name_input(tensors, _shared_key(LORA_NAME, tensors, from_params, sampling))
     returns = frozenset(f for f in RETURN_FLAGS if flags[f])
     params = sampling_params_from(sampling)
     client_logprobs = params.logprobs is not None
@@ -208,7 +243,7 @@ def parse_text_request(tensors: Mapping[str, np.ndarray | None], parameters_json
         # The engine scores tokens only when asked; 0 adds just the sampled token's logprob.
         params = dataclasses.replace(params, logprobs=0)
     return TextRequest(prompt, params, flags["stream"], flags["exclude_input_in_output"], returns, client_logprobs,
-                       cache_salt)
+                       cache_salt, lora_name)
 
 
 def logprobs_json(entries: Sequence[TokenLogprobs], decode) -> list[dict[str, dict[str, Any]]]:

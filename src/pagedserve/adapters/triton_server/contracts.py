@@ -10,9 +10,10 @@ contract a request speaks and then only talks to that object; it never branches 
 
 The shipped model (model_repository/pagedserve) declares the inputs and outputs of both, all
 optional, so one engine serves every client. Names the two contracts share:
-`exclude_input_in_output` and `cache_salt` mean the same in both (a text request may also send the
-salt as a sampling key); `temperature` (FP32, a token-contract input) is also a sampling key of the
-text contract, so on a text request the tensor is that key. That keeps
+`exclude_input_in_output`, `cache_salt` and `lora_name` mean the same in both (a text request may
+also send the salt or the adapter as a sampling key, where vllm_backend takes lora_name);
+`temperature` (FP32, a token-contract input) is also a sampling key of the text contract, so on a
+text request the tensor is that key. That keeps
 `/generate` bodies written for vllm_backend working: Triton turns a top-level `"temperature": 0`
 into the tensor, since an input of that name exists. Any other token-contract input on a text
 request (and the reverse) is an error naming the contract it belongs to, never silently ignored.
@@ -61,6 +62,10 @@ class ContractRequest(Protocol):
     @property
     def cache_salt(self) -> str | None:
         """Only requests with the same salt share cached prompt blocks (AsyncLLMEngine.generate's kwarg)."""
+
+    @property
+    def lora_name(self) -> str | None:
+        """The LoRA adapter to run (AsyncLLMEngine.generate's kwarg); None: the base model."""
 
     @property
     def generates(self) -> bool:

@@ -2,7 +2,8 @@
 
     pagedserve triton [--model-repository DIR] [--model PATH|default] [--host 127.0.0.1]
                       [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
-                      [--timeout 600] [-- extra tritonserver flags]
+                      [--timeout 600] [--enable-lora --lora-modules NAME=PATH ... [--max-loras N]
+                      [--max-lora-rank R] [--max-cpu-loras M]] [-- extra tritonserver flags]
     pagedserve triton --write-repository DIR    (a copy of the shipped repository to edit, then exit)
 
 The wheel carries a complete Triton 2.51 server with the Python backend and its stubs; no GPU or
@@ -13,6 +14,10 @@ CUDA driver is needed. What it takes (docs/contracts.md, Triton):
 * this virtualenv's `bin` first on PATH (the stub runs `python3` from there, which imports
   pagedserve) and the base interpreter's LIBDIR on LD_LIBRARY_PATH (the stub links libpython);
 * a per-run shared-memory prefix, so a crashed stub's /dev/shm regions are found and removed.
+
+The LoRA flags are `pagedserve kserve`'s; they are written into the repository served, as Triton's
+vllm_backend reads them (lora_repository.py): the settings into engine.json, the adapters into
+multi_lora.json. The shipped repository is served from a temporary copy then.
 
 Tests and the benchmark start servers through `start_server()`, the same code as this command.
 """
@@ -40,6 +45,8 @@ from pathlib import Path
 from pagedserve.adapters.child_process import stop_process_group
 from pagedserve.adapters.triton_server.drain_report import FLUSH_GRACE_S, drained_since
 from pagedserve.adapters.triton_server.engine_config import MODEL_OVERRIDE_ENV, SHUTDOWN_NOTICE_ENV
+from pagedserve.adapters.triton_server.lora_repository import (add_lora_args, lora_settings_from_args,
+                                                               write_lora_settings)
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 """The shipped repository (one model, pagedserve): src/pagedserve/model_repository/ of a checkout, or the
@@ -267,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-model", action="append", default=None,
                    help="load only this model (repeatable); default: every model in the repository")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the models to be ready")
+    add_lora_args(p)
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: flags passed to tritonserver as-is")
     return p
 
@@ -323,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
               f"  pagedserve triton --model-repository {target}")
         return 0
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    copy = _write_lora_flags(args)
     # SIGINT/SIGTERM go to tritonserver, which unloads the models (each finishes its requests).
     forwarder = SignalForwarder()
     try:
@@ -333,6 +342,23 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(server, args, forwarder)
     finally:
         forwarder.restore()
+        if copy is not None:
+            copy.cleanup()
+
+
+def _write_lora_flags(args: argparse.Namespace) -> tempfile.TemporaryDirectory | None:
+    """Write the LoRA flags into the repository to serve (a temporary copy of the shipped one, which
+    is then returned for removal at exit, and args.model_repository points at it)."""
+    lora = lora_settings_from_args(args)
+    if lora is None:
+        return None
+    copy = None
+    if Path(args.model_repository).resolve() == DEFAULT_REPOSITORY.resolve():
+        copy = tempfile.TemporaryDirectory(prefix="pagedserve-triton-repository-")
+        args.model_repository = str(write_repository(copy.name))
+    for path in write_lora_settings(Path(args.model_repository), *lora, args.load_model):
+        print(f"pagedserve triton: wrote the LoRA settings to {path}", flush=True)
+    return copy
 
 
 def _serve(server: TritonServer, args: argparse.Namespace, forwarder: SignalForwarder) -> int:

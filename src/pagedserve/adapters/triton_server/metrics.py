@@ -4,7 +4,8 @@ The families and names come from adapters/engine_metrics.py (shared with KServe)
 refreshes them from the engine's lock-free MetricsSnapshot every `interval` seconds, and at once
 when `poke()` is called (after each finished request). Every family is exported under its
 `pagedserve:` name and, where vLLM has it, under vLLM's (`vllm:`, with vllm_backend's labels
-`model` and `version`), beside `vllm:cache_config_info` (adapters/engine_metrics.py):
+`model` and `version`), beside `vllm:cache_config_info` and, when the engine serves LoRA adapters,
+`vllm:lora_requests_info` (vLLM's labels beside `model` and `version`; adapters/engine_metrics.py):
 
 * gauges are set to the snapshot's value;
 * counters are incremented by the change since the last refresh (MetricFamily counters only go up);
@@ -21,11 +22,17 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pagedserve.adapters.engine_metrics import (CACHE_CONFIG_DESCRIPTION, CACHE_CONFIG_INFO, ENGINE_METRICS,
-                                                LABELLED_COUNTERS, VLLM_LABELLED_COUNTERS, VLLM_METRICS, MetricKind)
+                                                LABELLED_COUNTERS, LORA_INFO, LORA_INFO_DESCRIPTION,
+                                                VLLM_LABELLED_COUNTERS, VLLM_METRICS, MetricKind, lora_info_labels)
 from pagedserve.core.metrics import Histogram, MetricsSnapshot
+
+if TYPE_CHECKING:  # only its attributes are read: no engine import for the exporter
+    from pagedserve.core.lora import LoRAStats
 
 EXPORTED_METRICS = (*ENGINE_METRICS, *VLLM_METRICS)
 EXPORTED_LABELLED_COUNTERS = (*LABELLED_COUNTERS, *VLLM_LABELLED_COUNTERS)
@@ -65,8 +72,10 @@ def replay_observations(prev: Histogram | None, cur: Histogram) -> list[float]:
 
 class TritonEngineMetrics:
     def __init__(self, pb_utils, read_snapshot: Callable[[], MetricsSnapshot], labels: dict[str, str],
-                 interval: float = 0.2, cache_config: dict[str, str] | None = None) -> None:
-        """cache_config: vllm:cache_config_info's labels (engine_metrics.cache_config_labels)."""
+                 interval: float = 0.2, cache_config: dict[str, str] | None = None,
+                 read_lora_stats: Callable[[], LoRAStats] | None = None) -> None:
+        """cache_config: vllm:cache_config_info's labels (engine_metrics.cache_config_labels).
+        read_lora_stats: the engine's adapters in use, when it serves LoRA (vllm:lora_requests_info)."""
         self.pb_utils = pb_utils
         self.read_snapshot = read_snapshot
         self.labels = labels
@@ -91,6 +100,10 @@ class TritonEngineMetrics:
             self.metrics[CACHE_CONFIG_INFO].set(1.0)
         for counter in EXPORTED_LABELLED_COUNTERS:
             self.families[counter.name] = MF(name=counter.name, description=counter.description, kind=MF.COUNTER)
+        self.read_lora_stats = read_lora_stats
+        self.lora_labels: dict[str, str] | None = None
+        """The labels of the one vllm:lora_requests_info sample now exported (its family is made at
+        the first refresh)."""
         self.labelled: dict[tuple[str, str], object] = {}
         """(family name, label value) -> its metric, created when the value first occurs."""
         self.last: MetricsSnapshot | None = None
@@ -157,4 +170,22 @@ class TritonEngineMetrics:
                             self.labelled[key] = self.families[counter.name].Metric(
                                 labels={**self.labels, counter.label: value})
                         self.labelled[key].increment(float(delta))
+            if self.read_lora_stats is not None:
+                self._refresh_lora_info(self.read_lora_stats())
             self.last = snap
+
+    def _refresh_lora_info(self, stats: LoRAStats) -> None:
+        """One sample whose labels are the adapters in use now, set to the current time as vLLM
+        sets it. When the adapters change, the family is made anew: releasing a metric leaves its
+        sample on Triton's page, releasing its family takes every sample with it. So the page
+        shows the current set only, where vLLM's keeps every set it has seen (consumers take the
+        newest either way; a scrape in between may find no sample)."""
+        labels = {**self.labels, **lora_info_labels(stats)}
+        if labels != self.lora_labels:
+            MF = self.pb_utils.MetricFamily
+            self.metrics.pop(LORA_INFO, None)  # the metric before its family
+            self.families.pop(LORA_INFO, None)
+            self.families[LORA_INFO] = MF(name=LORA_INFO, description=LORA_INFO_DESCRIPTION, kind=MF.GAUGE)
+            self.metrics[LORA_INFO] = self.families[LORA_INFO].Metric(labels=labels)
+            self.lora_labels = labels
+        self.metrics[LORA_INFO].set(time.time())

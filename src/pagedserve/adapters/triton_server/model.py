@@ -153,7 +153,8 @@ class TritonPythonModel:
         labels = {"model": args["model_name"], "version": args["model_version"]}
         engine = self.engine  # not `self`: a cycle would keep the model to the interpreter's teardown
         self.metrics = TritonEngineMetrics(pb_utils, lambda: engine.metrics, labels,
-                                           cache_config=cache_config_labels(engine.model_info))
+                                           cache_config=cache_config_labels(engine.model_info),
+                                           read_lora_stats=engine.lora_stats if config.lora.enable_lora else None)
         # Last: its cancellation polls are calls to Triton too, and must not overlap creating the families.
         self._watcher = asyncio.run_coroutine_threadsafe(self._watch(), self.loop)
         logger.info("pagedserve: model %s (%s contract) ready", args["model_name"], self.allowed_contract)
@@ -204,7 +205,7 @@ class TritonPythonModel:
             live = self._live[request_id] = _Live(sender, time.monotonic())
             finished, n = 0, parsed.params.n
             stream = self.engine.generate(request_id, parsed.prompt, parsed.params, timeout=timeout,
-                                          cache_salt=parsed.cache_salt)
+                                          cache_salt=parsed.cache_salt, lora_name=parsed.lora_name)
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     if out.finish_reason == "abort" or live.cancelled():

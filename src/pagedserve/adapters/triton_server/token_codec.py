@@ -8,6 +8,8 @@ out, no tokenizer on the wire.
               guided_decoding_guide_type, guided_decoding_guide STRING [1] (structured output)
               cache_salt STRING [1] (prefix-cache isolation: only requests with the same salt
               share cached prompt blocks; pagedserve's, shared with the text contract)
+              lora_name STRING [1] (the LoRA adapter to run; absent: the base model; shared
+              with the text contract, where vllm_backend's clients send it in sampling_parameters)
     -> output_ids INT32 [-1, -1] (beam x tokens, beam width 1), sequence_length INT32 [-1]
 
 Semantics follow TensorRT-LLM where it has them: decoding is greedy unless runtime_top_k > 1 or
@@ -34,12 +36,13 @@ import numpy as np
 from pagedserve.core.errors import InvalidRequest
 from pagedserve.core.outputs import RequestOutput
 from pagedserve.core.sampling_params import SamplingParams
-from pagedserve.adapters.triton_server.codec import CACHE_SALT, cache_salt_input, decode_utf8, parse_bool, scalar
+from pagedserve.adapters.triton_server.codec import (CACHE_SALT, LORA_NAME, cache_salt_input, decode_utf8,
+                                                     lora_name_input, parse_bool, scalar)
 from pagedserve.core.structured_output.params import StructuredOutputParams, build_constraint
 
 TOKEN_INPUTS = ("input_ids", "request_output_len", "end_id", "pad_id", "temperature", "runtime_top_k",
                 "runtime_top_p", "random_seed", "streaming", "stop", "exclude_input_in_output",
-                "guided_decoding_guide_type", "guided_decoding_guide", CACHE_SALT)
+                "guided_decoding_guide_type", "guided_decoding_guide", CACHE_SALT, LORA_NAME)
 _GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
 """TensorRT-LLM's guide types -> the structured_outputs field that means the same."""
 
@@ -53,6 +56,8 @@ class TokenRequest:
     """TensorRT-LLM's `stop` input: end the request before it generates anything."""
     exclude_input_in_output: bool = False
     cache_salt: str | None = None
+    lora_name: str | None = None
+    """The LoRA adapter to run (None: the base model)."""
 
     @property
     def prompt(self) -> list[int]:
@@ -133,7 +138,8 @@ def parse_token_request(tensors: Mapping[str, np.ndarray | None]) -> TokenReques
     _int(tensors, "pad_id")  # type-checked only: one beam never needs padding
     params = dataclasses.replace(SamplingParams.from_dict(fields), structured_output=_guide(tensors))
     return TokenRequest(prompt_ids, params, _flag(tensors, "streaming"),
-                        _flag(tensors, "stop"), _flag(tensors, "exclude_input_in_output"), cache_salt_input(tensors))
+                        _flag(tensors, "stop"), _flag(tensors, "exclude_input_in_output"), cache_salt_input(tensors),
+                        lora_name_input(tensors))
 
 
 class TokenResponseBuilder:
