@@ -54,8 +54,7 @@ def test_greedy_matches_transformers(tiny_model_dir, family, backend, block_size
                          max_num_batched_tokens=budget)
     prompts = random_prompts(4, 3, 90, seed=FAMILIES.index(family) * 10 + block_size)
     # Phi-3: prompts past 32 run on the long factors throughout; an 8-token prompt plus 24 new
-    # tokens stays on the short ones. (One that crosses 32 while generating is where transformers'
-    # Phi-3 recomputes its whole cache with the long factors and pagedserve does not: docs/design.md.)
+    # tokens stays on the short ones (tests/test_longrope_switch.py crosses 32 while generating).
     prompts[0] = prompts[0][:8] if family == "phi3" else prompts[0][:20]
     if family == "phi3":
         prompts[1:] = [p * (32 // len(p) + 1) for p in prompts[1:]]  # all past 32

@@ -135,11 +135,17 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, num_blocks=self.num_kv_blocks,
                                    block_size=cc.block_size, enable_prefix_caching=cc.enable_prefix_caching,
                                    layout=layout, max_chunk_tokens=self._max_chunk_tokens(),
-                                   structured_output=self.structured_output)
+                                   structured_output=self.structured_output, rope_switch=self._rope_switch())
         self._publish_metrics()
         logger.info("pagedserve engine: %s on %s in %s, %d KV blocks of %d tokens; loaded in %.2fs (%s)",
                     self.model_path, self.device, self.dtype, self.num_kv_blocks, cc.block_size,
                     time.perf_counter() - started, ", ".join(f"{k} {v:.2f}s" for k, v in self.load_seconds.items()))
+
+    def _rope_switch(self) -> tuple[int, str] | None:
+        """A longrope model's switch length and the prefix-cache key of its long factors (Scheduler)."""
+        model = self.runner.model
+        switch = getattr(model, "rope_switch_length", None)
+        return None if switch is None else (switch, model.prefix_cache_key(switch + 1))
 
     def _start_threads(self) -> ThreadGovernor:
         """The compute threads: what the process may use (core/cpu_threads.py), adjusted while it

@@ -54,9 +54,12 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, max_model_len: int, *, num_blocks: int, block_size: int,
                  enable_prefix_caching: bool, layout: KVCacheLayout | None = None,
                  max_chunk_tokens: int | None = None,
-                 structured_output: StructuredOutputManager | None = None) -> None:
+                 structured_output: StructuredOutputManager | None = None,
+                 rope_switch: tuple[int, str] | None = None) -> None:
         """The KV cache arguments are KVCacheManager's (core/kv_cache/manager.py).
-        structured_output: the constrained samples' grammars; their masks and accepts run here."""
+        structured_output: the constrained samples' grammars; their masks and accepts run here.
+        rope_switch: a longrope model's (original_max_position_embeddings, prefix-cache key of its
+        long factors): see _switch_to_long_rope."""
         self.config = config
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, layout, max_chunk_tokens)
         self.structured_output = structured_output
@@ -72,6 +75,9 @@ class Scheduler:
         self._finished_since_last_step: list[int] = []
         self.stats = SchedulerStats()
         self.policy = make_policy(config.scheduling_policy, config.scheduling_age_bound_s)
+        self.rope_switch = rope_switch
+        self._long_rope: set[int] = set()
+        """seq_ids of samples restarted on the long rope factors (_switch_to_long_rope)."""
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -139,6 +145,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            self._switch_to_long_rope(request)
             n = self._num_tokens_to_compute(request, budget)
             while self.kv.allocate_slots(request, n) is None:
                 victim = self.running.pop()  # the most recently admitted
@@ -169,6 +176,7 @@ class Scheduler:
             if self._waits_for_leader(request):
                 skipped.append(self.waiting.popleft())
                 continue
+            self._switch_to_long_rope(request)  # before the prefix lookup: it changes the salt
             hits, num_hit_tokens, from_leader = self._reusable_blocks(request)
             admission = self.policy.admit(request, hits, num_new, self.running, self.kv)
             if admission is Admission.DEFER:
@@ -213,7 +221,8 @@ class Scheduler:
         if request.num_computed_tokens != 0:
             return [], 0, False
         leader = request.prompt_leader
-        if leader is not None and leader.status == RequestStatus.RUNNING:
+        # A sample restarted on the long rope factors cannot use its leader's short-factor prompt blocks.
+        if leader is not None and leader.status == RequestStatus.RUNNING and request.seq_id not in self._long_rope:
             blocks, num_tokens = self.kv.get_shared_prompt_blocks(leader, request)
             # A sliding-window group may have freed what the sample needs: try the prefix cache then.
             if num_tokens or self.kv.null_block is None:
@@ -244,6 +253,24 @@ class Scheduler:
     def _group_block_ids(self, request: Request) -> tuple[tuple[int, ...], ...]:
         """Block ids of layer groups 1.. (a model with one group has none: no extra work per step)."""
         return tuple(tuple(ids) for ids in self.kv.get_group_block_ids(request)[1:])
+
+    def _switch_to_long_rope(self, request: Request) -> None:
+        """Phi-3's longrope as transformers generates: a sample whose prompt fits
+        original_max_position_embeddings runs on the short factors; once it grows past that length,
+        transformers discards its cache and recomputes every token on the long factors
+        (Phi3ForCausalLM.prepare_inputs_for_generation). Here the sample's blocks are freed and it
+        recomputes its whole sequence from position 0, as a recompute after preemption does (the
+        runner rotates by the sample's current length, now past the switch), under the prefix-cache
+        salt of long-factor prompts, which its blocks may now be shared with. Once per sample."""
+        switch = self.rope_switch
+        if (switch is None or request.num_prompt_tokens > switch[0] or request.num_tokens <= switch[0]
+                or request.seq_id in self._long_rope):
+            return
+        self._long_rope.add(request.seq_id)
+        self.kv.free(request)
+        self.kv.forget(request)  # its block hashes are salted for the short factors
+        request.num_computed_tokens = 0
+        request.cache_salt = f"{request.cache_salt or ''}\x00{switch[1]}"
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -326,6 +353,7 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         self.kv.forget(request)
+        self._long_rope.discard(request.seq_id)
         del self.requests[request.seq_id]
         self._finished_since_last_step.append(request.seq_id)
 
