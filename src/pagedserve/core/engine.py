@@ -213,7 +213,7 @@ class LLMEngine:
         calls it off the engine thread, so a long prompt never holds up a step."""
         self.check_prompt_size(prompt)
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return self._refuse_image_tokens(self.tokenizer.encode(prompt, add_special_tokens=True))
         if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
             raise InvalidRequest(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
         ids = list(prompt)
@@ -221,6 +221,17 @@ class LLMEngine:
         for i, t in enumerate(ids):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise InvalidRequest(f"prompt token ids: item {i} is {t!r}; token ids must be integers in [0, {vocab})")
+        return self._refuse_image_tokens(ids)
+
+    def _refuse_image_tokens(self, ids: list[int]) -> list[int]:
+        """A multimodal checkpoint served as its text decoder (Gemma3ForConditionalGeneration): its
+        image placeholder token would be embedded as a word, where the model expects image features."""
+        image = self.arch.image_token_id
+        if image is not None and image in ids:
+            raise InvalidRequest(
+                f"prompt holds token id {image}, this model's image placeholder "
+                f"({self.tokenizer.convert_ids_to_tokens(image)!r}): pagedserve serves the text decoder of "
+                f"{self.arch.architecture} and takes no images; send text only")
         return ids
 
     def prepare_params(self, params: SamplingParams) -> SamplingParams:
