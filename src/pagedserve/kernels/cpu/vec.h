@@ -114,6 +114,15 @@ PAGEDSERVE_INLINE float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// Attention logit softcapping (Gemma 2): s[i] = tanh(s[i] / cap) * cap for the n scores of a row,
+// in the order transformers' eager attention computes it (divide, tanh, multiply) so the kernels
+// round as the reference does. libm's tanh (correctly rounded to about an ulp): a polynomial would
+// need |x| up to ~10 before it saturates and would be the one approximation here with no oracle
+// to match; scores per decode step are few, and a prefill row's are 1/head_dim of its FMAs.
+PAGEDSERVE_INLINE void softcap_scores(float* s, int64_t n, float cap) {
+  for (int64_t i = 0; i < n; ++i) s[i] = std::tanh(s[i] / cap) * cap;
+}
+
 // The same on every lane of a float vector VF (VI: the int32 vector of as many lanes; 16 lanes
 // below, 8 in vec_avx2.h). n comes from truncating t - 1/2, which rounds for t <= 0 (the kernels
 // build with -fassociative-math, which would fold the usual (t + 1.5 * 2^23) - 1.5 * 2^23).
