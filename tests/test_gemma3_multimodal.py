@@ -149,3 +149,42 @@ def test_chat_image_parts_are_refused_by_name():
     text_only = ChatCompletionRequest.model_validate({"model": "m", "messages": [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
     assert text_only.template_messages() == [{"role": "user", "content": "ab"}]
+
+
+@pytest.mark.timeout(300)
+def test_served_on_kserve_with_images_refused(multimodal_dir, tmp_path_factory):
+    """A real kserve ModelServer serving the multimodal checkpoint, through the stock openai
+    client: text completions equal transformers' greedy tokens; an image_url part and a prompt
+    holding the image placeholder get a 400 naming them, and the server keeps serving."""
+    import openai
+
+    from tests.kserve_server import start_server, with_chat_template
+
+    model = with_chat_template(multimodal_dir, tmp_path_factory.mktemp("gemma3-mm-chat") / "model")
+    server = start_server(model, tmp_path_factory.mktemp("gemma3-mm-log") / "server.log", "gemma3mm")
+    try:
+        client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=120)
+        prompt = prompts()[1]
+        out = client.completions.create(model="gemma3mm", prompt=prompt, max_tokens=8, temperature=0.0,
+                                        extra_body={"ignore_eos": True})
+        want = hf_greedy(multimodal_dir, prompt, 8)
+        assert out.choices[0].text == decode(model, want) and out.choices[0].text.strip()
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="gemma3mm", max_tokens=4, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "Describe"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}])
+        assert err.value.param == "messages[0].content[1]" and "takes no images" in err.value.message
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="gemma3mm", prompt=[5, IMAGE_TOKEN, 6], max_tokens=4)
+        assert "image placeholder" in err.value.message
+        chat = client.chat.completions.create(model="gemma3mm", max_tokens=4, temperature=0.0,
+                                              messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
+        assert chat.choices[0].finish_reason in ("length", "stop")
+    finally:
+        server.stop()
+
+
+def decode(model_dir: Path, token_ids: list[int]) -> str:
+    """The text of token ids as the server's tokenizer decodes a completion."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir).decode(token_ids, skip_special_tokens=True)
