@@ -47,8 +47,9 @@ def test_crossing_the_switch_matches_transformers(tiny_model_dir, backend, block
 
 
 def test_the_restart_is_what_makes_it_exact(tiny_model_dir):
-    """Without the restart (short-factor K/V kept past the switch, vLLM-like), some crossing
-    sequence's tokens differ from transformers': the test above tests the restart."""
+    """Without the restart (the tokens before the switch keep their short-factor K/V, pagedserve's
+    behaviour before), some crossing sequence's tokens differ from transformers': the test above
+    tests the restart."""
     path = tiny_model_dir("phi3")
     prompts = crossing_prompts()[:4]
     engine = make_engine(path, "phi3", attention_backend="cpu")
