@@ -32,7 +32,7 @@ import gc
 import random
 import time
 
-from bench.common import environment_line
+from bench.common import add_engine_flags, environment_line
 
 
 def model_path():
@@ -42,14 +42,13 @@ def model_path():
 
 
 def make_engine(path, args, **cache):
-    from pagedserve.core.config import EngineConfig
     from pagedserve.core.engine import LLMEngine
+    from pagedserve.tools.engine_args import engine_config_from_args
 
-    return LLMEngine(EngineConfig.from_dict({
-        "model": str(path), "block_size": args.block_size, "max_model_len": args.prompt_len + args.output_len,
-        "max_num_seqs": 256, "max_num_batched_tokens": 2048, "long_prefill_token_threshold": args.chunk,
-        "scheduling_policy": "throughput", "scheduling_age_bound_s": 1e9, "enable_prefix_caching": False,
-        **cache}))
+    config = engine_config_from_args(args, defaults={"model": str(path), "max_model_len": args.prompt_len + args.output_len})
+    return LLMEngine(config.replace(
+        long_prefill_token_threshold=args.chunk, scheduling_policy="throughput", scheduling_age_bound_s=1e9,
+        enable_prefix_caching=False, **cache))
 
 
 def run(engine, prompts, args) -> dict:
@@ -83,11 +82,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--fit-full", type=int, default=3, help="KV memory: this many full-allocation sequences")
-    ap.add_argument("--block-size", type=int, default=16)
+    add_engine_flags(ap, block_size=16, max_num_seqs=256, max_num_batched_tokens=2048)
     ap.add_argument("--chunk", type=int, default=256, help="most prefill tokens per request and step")
     args = ap.parse_args()
     print(environment_line())
-    path = model_path()
+    path = args.model or model_path()
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 200_000) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
     seq_blocks = -(-(args.prompt_len + args.output_len) // args.block_size)

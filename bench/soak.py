@@ -62,7 +62,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import FALLBACK_TEXT
+from bench.common import FALLBACK_TEXT, add_engine_flags
 from bench.rss_trend import MIB, RssSampler, rss_bytes, trace, trend_after_warmup
 from tests.harness.kserve_launch import start_kserve
 
@@ -77,14 +77,10 @@ MALFORMED = ("bad_json", "wrong_type", "out_of_range", "unknown_model", "huge_bo
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default", help="model path, or 'default' (SmolLM2-135M)")
-    p.add_argument("--dtype", default="auto")
+    add_engine_flags(p, model="default", dtype="auto", max_num_seqs=8, max_waiting_requests=8, max_model_len=1024)
     p.add_argument("--duration", type=float, default=180.0, help="seconds of load")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--max-waiting-requests", type=int, default=8)
-    p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--num-kv-blocks", type=int, default=512)
     p.add_argument("--sample-every", type=float, default=2.0, help="seconds between RSS samples")
     p.add_argument("--warmup-requests", type=int, default=300,
@@ -323,14 +319,13 @@ def pct(values: list[float], q: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from pagedserve.core.config import EngineConfig
     from pagedserve.core.models.default_model import resolve_model_path
+    from pagedserve.tools.engine_args import engine_config_from_args
 
     model_dir = Path(resolve_model_path(args.model))
-    settings = {"model": str(model_dir), "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-                "max_waiting_requests": args.max_waiting_requests, "max_model_len": args.max_model_len,
-                "num_kv_blocks": args.num_kv_blocks}
-    config = EngineConfig.from_dict(settings)  # fails here, with the field named, if a value is wrong
+    # fails here, with the field named, if a value is wrong
+    config = engine_config_from_args(args).replace(model=str(model_dir), num_kv_blocks=args.num_kv_blocks)
+    settings = config.to_dict()
     tmp = Path(tempfile.mkdtemp(prefix="pagedserve-soak-"))
     (tmp / "engine.json").write_text(json.dumps(settings))
     print(f"[soak] model {model_dir}, {args.duration:g} s, {args.concurrency} clients, seed {args.seed}, "

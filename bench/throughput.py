@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import (RunResult, Timer, Workload, add_workload_args, environment_line,
+from bench.common import (RunResult, Timer, Workload, add_engine_flags, add_workload_args, environment_line,
                           load_workload, print_result, print_summary, ratio_line)
 from bench.neighbours import add_neighbour_arg, busy_neighbours
 
@@ -135,10 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_args(ap)
     ap.add_argument("--skip-peer", action="store_true", help="run pagedserve only")
-    ap.add_argument("--model", default="default", help="local HF directory or 'default' (SmolLM2-135M)")
-    ap.add_argument("--dtype", default="auto", help="pagedserve dtype: auto, float32, bfloat16, float16")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--max-num-seqs", type=int, default=None)
+    add_engine_flags(ap, model="default", dtype="auto")
     ap.add_argument("--peer-batch-size", type=int, default=PEER_BATCH_SIZE)
     add_neighbour_arg(ap)
     return ap.parse_args(argv)
@@ -160,17 +157,12 @@ def run_noisy(engine, workload: Workload, quiet: RunResult, count: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from pagedserve.core.config import EngineConfig
     from pagedserve.core.engine import LLMEngine
+    from pagedserve.tools.engine_args import engine_config_from_args
 
     print(environment_line())
-    config = {"model": args.model, "dtype": args.dtype}
-    if args.max_num_batched_tokens is not None:
-        config["max_num_batched_tokens"] = args.max_num_batched_tokens
-    if args.max_num_seqs is not None:
-        config["max_num_seqs"] = args.max_num_seqs
     with Timer() as load:
-        engine = LLMEngine(EngineConfig.from_dict(config))
+        engine = LLMEngine(engine_config_from_args(args))
     sc = engine.config.scheduler
     print(f"[pagedserve] loaded {engine.model_path} in {load.elapsed:.1f}s: dtype {engine.dtype}, "
           f"{engine.num_kv_blocks} KV blocks x {engine.config.cache.block_size}, max_num_seqs {sc.max_num_seqs}, "

@@ -54,9 +54,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-from bench.common import RunResult, add_workload_args, load_workload, print_result, print_summary
+from bench.common import RunResult, add_engine_flags, add_workload_args, load_workload, print_result, print_summary
 from bench.neighbours import add_neighbour_arg, busy_neighbours
 from bench.proctree import tree_rss
+from pagedserve.tools.engine_args import ENGINE_FLAGS
+
+CHILD_FLAGS = ("model", "dtype", "max_num_seqs")
+"""The engine flags bench/vllm_child.py takes (the same for both sides); the others are refused."""
 
 VLLM_VERSION = "0.32.0"
 TORCH_PIN = "torch==2.13.0"
@@ -155,9 +159,7 @@ def agreement(ours: list[list[int]], peer: list[list[int]]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_args(ap)
-    ap.add_argument("--model", default="default", help="local HF directory or 'default' (SmolLM2-135M)")
-    ap.add_argument("--dtype", default="auto", help="auto (what pagedserve picks here), bfloat16 or float32")
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    add_engine_flags(ap, model="default", dtype="auto", max_num_seqs=64)
     ap.add_argument("--venv", type=Path, default=ROOT / "bench" / ".peer-venv", help="vLLM's side virtualenv")
     ap.add_argument("--no-install", action="store_true", help="fail instead of installing vLLM")
     ap.add_argument("--peer-first", action="store_true", help="run vLLM before pagedserve")
@@ -166,6 +168,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--verbose", action="store_true", help="echo both children's output")
     add_neighbour_arg(ap)
     args = ap.parse_args(argv)
+    unused = [f"--{key.replace('_', '-')}" for key in ENGINE_FLAGS
+              if key not in CHILD_FLAGS and getattr(args, key) is not None] + ["--engine-config"] * bool(args.engine_config)
+    if unused:
+        ap.error(f"{', '.join(unused)}: not passed on; both sides run at bench/vllm_child.py's settings, "
+                 f"which take only {', '.join('--' + k.replace('_', '-') for k in CHILD_FLAGS)}")
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
     return args

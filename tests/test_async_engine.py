@@ -147,7 +147,7 @@ def _fail_steps(engine: AsyncLLMEngine, times: int, live: int) -> None:
     left = {"n": times}
 
     def flaky_step():
-        if left["n"] and len(engine._engine.scheduler.requests) >= live:
+        if left["n"] and len(engine._engine.scheduler.samples) >= live:
             left["n"] -= 1
             raise RuntimeError("injected kernel failure")
         return real_step()
@@ -180,7 +180,7 @@ def _fail_once_all_are_in(engine: AsyncLLMEngine, live: int, passes_first: int) 
     left = {"passes": passes_first, "fault": 1}
 
     def held_step():
-        if left["fault"] and len(inner.scheduler.requests) < live:
+        if left["fault"] and len(inner.scheduler.samples) < live:
             time.sleep(0.001)  # the engine thread takes the next command, then comes back
             return []
         return real_step()

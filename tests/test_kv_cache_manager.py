@@ -6,12 +6,12 @@ import pytest
 
 from pagedserve.core.kv_cache.block_pool import BlockPool
 from pagedserve.core.kv_cache.manager import KVCacheManager
-from pagedserve.core.request import Request
+from pagedserve.core.request import Sample
 from pagedserve.core.sampling_params import SamplingParams
 
 
-def req(rid: str, n: int) -> Request:
-    return Request(request_id=rid, prompt_token_ids=list(range(1, n + 1)), sampling_params=SamplingParams(),
+def req(rid: str, n: int) -> Sample:
+    return Sample(request_id=rid, prompt_token_ids=list(range(1, n + 1)), sampling_params=SamplingParams(),
                    eos_token_id=None, max_tokens=16)
 
 

@@ -8,7 +8,7 @@ from pagedserve.core.config import LimitsConfig
 from pagedserve.core.errors import EngineOverloaded
 from pagedserve.core.limits import COMPACT_EVERY, Deadlines, WaitingQueueGuard, max_prompt_chars
 from pagedserve.core.metrics import EngineMetrics
-from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.request import Sample, SampleStatus
 from pagedserve.core.sampling_params import SamplingParams
 
 
@@ -42,8 +42,8 @@ def test_queue_guard_counts_requests_and_tokens_and_admits_a_lone_request():
         10**6, 10**9, 10**6)  # unbounded
 
 
-def _request(rid: str, deadline: float | None) -> Request:
-    return Request(rid, (1, 2), SamplingParams(), eos_token_id=None, max_tokens=4, deadline=deadline)
+def _request(rid: str, deadline: float | None) -> Sample:
+    return Sample(rid, (1, 2), SamplingParams(), eos_token_id=None, max_tokens=4, deadline=deadline)
 
 
 def test_deadlines_pop_due_unfinished_requests_in_order_and_compact():
@@ -51,7 +51,7 @@ def test_deadlines_pop_due_unfinished_requests_in_order_and_compact():
     a, b, c, never = _request("a", 3.0), _request("b", 1.0), _request("c", 2.0), _request("n", None)
     for r in (a, b, c, never):
         deadlines.add(r)
-    c.status = RequestStatus.FINISHED_STOPPED  # finished before its deadline: never reported
+    c.status = SampleStatus.FINISHED_STOPPED  # finished before its deadline: never reported
     assert deadlines.pop_expired(now=0.5) == []
     assert deadlines.pop_expired(now=2.5) == [b]
     assert deadlines.pop_expired(now=10.0) == [a]
@@ -59,7 +59,7 @@ def test_deadlines_pop_due_unfinished_requests_in_order_and_compact():
     for i in range(2 * COMPACT_EVERY):
         r = _request(f"x{i}", 1e9)
         deadlines.add(r)
-        r.status = RequestStatus.FINISHED_LENGTH
+        r.status = SampleStatus.FINISHED_LENGTH
     assert len(deadlines._heap) <= COMPACT_EVERY
 
 

@@ -17,7 +17,7 @@ import torch
 from pagedserve.core.async_engine import AsyncLLMEngine
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.errors import EngineOverloaded, PagedServeError
-from pagedserve.core.request import Request
+from pagedserve.core.request import Sample
 from pagedserve.core.sampling_params import SamplingParams
 
 ROUNDS = 3
@@ -33,7 +33,7 @@ def per_request_sizes(engine: AsyncLLMEngine) -> dict[str, int]:
         "AsyncLLMEngine.num_unfinished_requests": engine.num_unfinished_requests,
         "AsyncLLMEngine._commands": engine._commands.qsize(),
         "LLMEngine._requests": len(inner._requests),
-        "Scheduler.requests": len(sched.requests),
+        "Scheduler.samples": len(sched.samples),
         "Scheduler.waiting": len(sched.waiting),
         "Scheduler.running": len(sched.running),
         "Scheduler._ended": len(sched._ended),
@@ -49,7 +49,7 @@ def per_request_sizes(engine: AsyncLLMEngine) -> dict[str, int]:
 
 def live_request_objects() -> int:
     gc.collect()
-    return sum(isinstance(o, Request) for o in gc.get_objects())
+    return sum(isinstance(o, Sample) for o in gc.get_objects())
 
 
 def test_every_per_request_structure_returns_to_its_baseline(tiny_model_dir):
@@ -133,7 +133,7 @@ def test_every_per_request_structure_returns_to_its_baseline(tiny_model_dir):
         assert sizes[-1]["metric label sets"] == sizes[0]["metric label sets"] <= 8
         # Finished samples still referenced (the last step's finished list, the deadline heap) are
         # bounded; one leaked per request would add ~27 per round.
-        assert objects[-1] <= objects[0] + 4, f"Request objects alive after each round: {objects}"
+        assert objects[-1] <= objects[0] + 4, f"Sample objects alive after each round: {objects}"
         inner.kv_cache_manager.check_invariants()
     finally:
         engine.shutdown()

@@ -19,19 +19,19 @@ from pagedserve.core.engine import LLMEngine
 from pagedserve.core.errors import InvalidRequest
 from pagedserve.core.kv_cache.manager import KVCacheManager
 from pagedserve.core.kv_cache.prefix_hash import ROOT_HASH, extend_block_hashes, hash_block
-from pagedserve.core.request import Request
+from pagedserve.core.request import Sample
 from pagedserve.core.sampling_params import SamplingParams
 
 from tests.oracle import hf_greedy
 
 
 # -- helpers -------------------------------------------------------------------------------------------
-def req(rid: str, ids: list[int], salt: str | None = None, use: bool = True) -> Request:
-    return Request(request_id=rid, prompt_token_ids=list(ids), sampling_params=SamplingParams(),
+def req(rid: str, ids: list[int], salt: str | None = None, use: bool = True) -> Sample:
+    return Sample(request_id=rid, prompt_token_ids=list(ids), sampling_params=SamplingParams(),
                    eos_token_id=None, max_tokens=8, cache_salt=salt, use_prefix_cache=use)
 
 
-def admit(kv: KVCacheManager, r: Request) -> int:
+def admit(kv: KVCacheManager, r: Sample) -> int:
     """What the scheduler does on admission, with the whole prompt in one chunk; returns hit tokens."""
     hits, num_hit = kv.get_computed_blocks(r)
     assert kv.allocate_slots(r, r.num_tokens - num_hit, hits) is not None
@@ -41,13 +41,13 @@ def admit(kv: KVCacheManager, r: Request) -> int:
     return num_hit
 
 
-def finish(kv: KVCacheManager, r: Request) -> None:
+def finish(kv: KVCacheManager, r: Sample) -> None:
     kv.free(r)
     kv.forget(r)
     kv.check_invariants()
 
 
-def admit_and_finish(kv: KVCacheManager, r: Request) -> int:
+def admit_and_finish(kv: KVCacheManager, r: Sample) -> int:
     hit = admit(kv, r)
     finish(kv, r)
     return hit
@@ -110,7 +110,7 @@ class HeldBlockWatch:
         self.kv.check_invariants()
         # The null block stands in for blocks a sliding-window group has returned (core/kv_cache/layout.py).
         live = {seq_id: [b for b in self.kv.get_blocks(r) if b is not self.kv.null_block]
-                for seq_id, r in self.scheduler.requests.items()}
+                for seq_id, r in self.scheduler.samples.items()}
         live = {seq_id: blocks for seq_id, blocks in live.items() if blocks}
         held = {(seq_id, b.block_id) for seq_id, blocks in live.items() for b in blocks}
         # Preempted, finished, or (sliding window) returned to the pool: held no longer.
@@ -387,7 +387,7 @@ def test_salts_and_opt_out_end_to_end(tiny_model_dir):
     for out in engine.step():
         tokens[out.request_id].extend(out.new_token_ids)
     kv = engine.kv_cache_manager
-    ids = {r.request_id: kv.get_block_ids(r) for r in engine.scheduler.requests.values()}
+    ids = {r.request_id: kv.get_block_ids(r) for r in engine.scheduler.samples.values()}
     assert ids["x1"][:3] == ids["x2"][:3] and not set(ids["y1"]) & set(ids["x1"])
     assert engine.stats.prefix_cache_hits_total == 48
     while engine.has_unfinished_requests():

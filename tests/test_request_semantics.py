@@ -37,7 +37,7 @@ def test_n_samples_share_prompt_blocks_and_prefill_once(tiny_model_dir):
     outs = []
     while engine.has_unfinished_requests():
         outs.extend(engine.step())
-        samples = [r for r in engine.scheduler.requests.values() if r.request_id == "multi"]
+        samples = [r for r in engine.scheduler.samples.values() if r.request_id == "multi"]
         tables = [engine.kv_cache_manager.get_block_ids(r) for r in samples]
         live = [t for t in tables if t]
         if len(live) == 4:
@@ -139,7 +139,7 @@ def test_a_stop_string_ends_the_sample_through_the_scheduler_in_the_same_step(ti
     stop = text[6:9]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop])
     engine.add_request("s", prompt, params)
-    (sample,) = engine.scheduler.requests.values()
+    (sample,) = engine.scheduler.samples.values()
     final = None
     while final is None:
         final = next((o for o in engine.step() if o.finished), None)
@@ -173,7 +173,7 @@ def test_no_per_sample_state_outlives_its_request(tiny_model_dir):
     assert finals == {("n3", 0): "length", ("n3", 1): "length", ("n3", 2): "length", ("timed-out", 0): "timeout",
                       ("aborted", 0): "abort", ("aborted", 1): "abort", ("aborted", 2): "abort"}
     engine.generate([prompt], SamplingParams(max_tokens=1))  # the next step tells the runner who finished
-    assert not engine._requests and not engine.scheduler.requests
+    assert not engine._requests and not engine.scheduler.samples
     assert not engine.kv_cache_manager._samples and not engine.runner.sampler._cache
     engine.kv_cache_manager.check_invariants()
     assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagedserve.core.config import SchedulerConfig
-from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.request import Sample, SampleStatus
 from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.core.scheduler import Scheduler
 
@@ -13,10 +13,10 @@ def make(num_blocks=64, block_size=4, budget=16, max_num_seqs=8, max_model_len=1
                      num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=False)
 
 
-def add(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 8) -> Request:
-    r = Request(request_id=rid, prompt_token_ids=[7] * prompt_len, sampling_params=SamplingParams(ignore_eos=True),
+def add(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 8) -> Sample:
+    r = Sample(request_id=rid, prompt_token_ids=[7] * prompt_len, sampling_params=SamplingParams(ignore_eos=True),
                 eos_token_id=0, max_tokens=max_tokens)
-    s.add_request(r)
+    s.add_sample(r)
     return r
 
 
@@ -53,7 +53,7 @@ def test_positions_and_tokens_cover_the_prompt_exactly_once():
         starts.extend((x.start_position, len(x.token_ids)) for x in out.requests)
     assert starts[:3] == [(0, 7), (7, 7), (14, 6)]
     assert [p for p, _ in starts[3:]] == [20, 21]
-    assert r.status == RequestStatus.FINISHED_LENGTH and r.output_token_ids == [5, 5, 5]
+    assert r.status == SampleStatus.FINISHED_LENGTH and r.output_token_ids == [5, 5, 5]
 
 
 def test_max_num_seqs_limits_admission():
@@ -75,7 +75,7 @@ def test_preemption_takes_the_most_recently_admitted_and_recomputes():
         if out.preempted_seq_ids:
             break
     assert out.preempted_seq_ids == (b.seq_id,)
-    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert b.status == SampleStatus.PREEMPTED and b.num_computed_tokens == 0
     assert s.waiting[0] is b and s.stats.num_preemptions_total == 1
     while s.has_unfinished_requests():
         out = step(s)
@@ -92,10 +92,10 @@ def test_abort_waiting_and_running():
     run = add(s, "run", 4)
     step(s)
     wait = add(s, "wait", 4)
-    aborted = RequestStatus.FINISHED_ABORTED
-    assert s.finish_request(wait, aborted) and wait.status.finish_reason == "abort"
-    assert s.finish_request(run, aborted) and run.status.finished
-    assert not s.finish_request(run, RequestStatus.FINISHED_STOPPED)  # already finished: nothing changes
+    aborted = SampleStatus.FINISHED_ABORTED
+    assert s.finish_sample(wait, aborted) and wait.status.finish_reason == "abort"
+    assert s.finish_sample(run, aborted) and run.status.finished
+    assert not s.finish_sample(run, SampleStatus.FINISHED_STOPPED)  # already finished: nothing changes
     assert run.status == aborted
     assert not s.has_unfinished_requests() and s.kv.num_free_blocks == 64
     assert set(s.schedule().finished_seq_ids) == {run.seq_id, wait.seq_id}
@@ -103,10 +103,10 @@ def test_abort_waiting_and_running():
 
 def test_stop_token_ids_and_min_tokens():
     s = make()
-    r = Request(request_id="x", prompt_token_ids=[1, 2], eos_token_id=9, max_tokens=10,
+    r = Sample(request_id="x", prompt_token_ids=[1, 2], eos_token_id=9, max_tokens=10,
                 sampling_params=SamplingParams(min_tokens=2, stop_token_ids=(4,)))
-    s.add_request(r)
+    s.add_sample(r)
     step(s, token=9)  # EOS before min_tokens: ignored
-    assert r.status == RequestStatus.RUNNING
+    assert r.status == SampleStatus.RUNNING
     step(s, token=4)  # stop token once min_tokens reached
-    assert r.status == RequestStatus.FINISHED_STOPPED and r.output_token_ids == [9, 4]
+    assert r.status == SampleStatus.FINISHED_STOPPED and r.output_token_ids == [9, 4]

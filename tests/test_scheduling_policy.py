@@ -15,7 +15,7 @@ import pytest
 from pagedserve.core.config import EngineConfig, SchedulerConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.errors import ConfigError
-from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.request import Sample, SampleStatus
 from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.core.scheduler import Scheduler
 
@@ -52,13 +52,13 @@ def name(scheduled) -> str:
     return NAMES[scheduled.seq_id]
 
 
-def add(s: Scheduler, rid: str, prompt: list[int], max_tokens: int = 4, at: float | None = None) -> Request:
-    r = Request(request_id=rid, prompt_token_ids=prompt, sampling_params=SamplingParams(ignore_eos=True),
+def add(s: Scheduler, rid: str, prompt: list[int], max_tokens: int = 4, at: float | None = None) -> Sample:
+    r = Sample(request_id=rid, prompt_token_ids=prompt, sampling_params=SamplingParams(ignore_eos=True),
                 eos_token_id=0, max_tokens=max_tokens)
     if at is not None:
         r.arrival_time = at
     NAMES[r.seq_id] = rid
-    s.add_request(r)
+    s.add_sample(r)
     return r
 
 
@@ -115,7 +115,7 @@ def test_invariants_hold_on_a_random_shared_prefix_workload(policy):
                 assert sr.start_position % 4 == 0 and sr.start_position < r.num_prompt_tokens
             next_pos[rid] = sr.start_position + len(sr.token_ids)
     for r in reqs.values():
-        assert r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == r.max_tokens
+        assert r.status == SampleStatus.FINISHED_LENGTH and r.num_output_tokens == r.max_tokens
     assert s.kv.num_used_blocks == 0
 
 
@@ -216,7 +216,7 @@ def test_aged_request_ignores_the_kv_projection_but_not_real_blocks():
     assert late.first_scheduled_time is None
     clock.now = 4.0  # older than the bound: admitted although the projection says no
     step(s)
-    assert late.status == RequestStatus.RUNNING
+    assert late.status == SampleStatus.RUNNING
     run_all(s)  # real block shortage is handled by preemption as always
     assert late.num_output_tokens == 12
 

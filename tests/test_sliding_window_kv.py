@@ -15,7 +15,7 @@ from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.kv_cache.layout import cdiv, make_kv_cache_layout
 from pagedserve.core.kv_cache.manager import KVCacheManager
-from pagedserve.core.request import Request
+from pagedserve.core.request import Sample
 from pagedserve.core.sampling_params import SamplingParams
 
 from tests.oracle import hf_greedy
@@ -87,8 +87,8 @@ def test_layout_single_kind_stays_one_group():
 
 
 # -- the manager -------------------------------------------------------------------------------------
-def _req(rid: str, n: int) -> Request:
-    return Request(request_id=rid, prompt_token_ids=list(range(1, n + 1)), sampling_params=SamplingParams(),
+def _req(rid: str, n: int) -> Sample:
+    return Sample(request_id=rid, prompt_token_ids=list(range(1, n + 1)), sampling_params=SamplingParams(),
                    eos_token_id=None, max_tokens=64)
 
 

@@ -168,7 +168,7 @@ def test_grammar_state_is_replayed_when_it_falls_behind(engine):
     outputs = []
     for _ in range(8):
         outputs += engine.step()
-    (sample,) = [r for r in engine.scheduler.requests.values() if r.request_id == "replay"]
+    (sample,) = [r for r in engine.scheduler.samples.values() if r.request_id == "replay"]
     state = engine.structured_output._states[sample.seq_id]
     state.matcher.reset()
     state.num_accepted = 0

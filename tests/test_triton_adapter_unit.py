@@ -273,7 +273,7 @@ def _hold_before_last_token(engine, max_tokens: int) -> None:
 
     def held_step():
         if any(r.max_tokens == max_tokens and r.num_output_tokens >= max_tokens - 1
-               for r in list(inner.scheduler.requests.values())):
+               for r in list(inner.scheduler.samples.values())):
             time.sleep(0.001)
             return []
         return real_step()

@@ -29,7 +29,7 @@ from pagedserve.core.models.default_model import resolve_model_path
 from pagedserve.core.models.loader import load_decoder
 from pagedserve.core.output_processor import OutputProcessor
 from pagedserve.core.outputs import CompletionResult, RequestOutput
-from pagedserve.core.request import EngineRequest, Request, RequestStatus
+from pagedserve.core.request import EngineRequest, Sample, SampleStatus
 from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.core.scheduler import Scheduler, SchedulerStats
 from pagedserve.core.step_types import RunnerOutput, StepResult
@@ -338,17 +338,17 @@ class LLMEngine:
             if index > 0:  # each sample draws its own tokens; only the first scores the prompt
                 seed = None if params.seed is None else (params.seed + index) & 0xFFFF_FFFF_FFFF_FFFF
                 sample_params = dataclasses.replace(params, seed=seed, prompt_logprobs=None)
-            request = Request(
+            sample = Sample(
                 request_id=request_id, prompt_token_ids=token_ids, sampling_params=sample_params,
                 eos_token_id=self.eos_token_id, max_tokens=max_tokens, index=index, cache_salt=cache_salt,
                 use_prefix_cache=use_prefix_cache, prompt_leader=leader, deadline=deadline,
             )
-            leader = leader or request
+            leader = leader or sample
             if compiled_grammar is not None:  # each sample walks the grammar on its own
-                self.structured_output.add(request.seq_id, compiled_grammar)
-            self.output_processor.add(request, detokenize)
-            self.scheduler.add_request(request)  # with its deadline, if any
-            samples.append(request)
+                self.structured_output.add(sample.seq_id, compiled_grammar)
+            self.output_processor.add(sample, detokenize)
+            self.scheduler.add_sample(sample)  # with its deadline, if any
+            samples.append(sample)
         self._requests[request_id] = EngineRequest(request_id, tuple(samples))
         return request_id
 
@@ -358,7 +358,7 @@ class LLMEngine:
         entry = self._requests.pop(request_id, None)
         outputs = []
         for sample in entry.samples if entry is not None else ():
-            if self.scheduler.finish_request(sample, RequestStatus.FINISHED_ABORTED):
+            if self.scheduler.finish_sample(sample, SampleStatus.FINISHED_ABORTED):
                 outputs.append(self.output_processor.final_output(sample))
         self._publish_metrics()
         return outputs
@@ -392,7 +392,7 @@ class LLMEngine:
         token get their final output."""
         processed = self.output_processor.process(result.updates, runner_out)
         for request, stop in processed.stopped:
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop)
+            self.scheduler.finish_sample(request, SampleStatus.FINISHED_STOPPED, stop)
         outputs = processed.outputs + [self.output_processor.final_output(r) for r in result.ended]
         self._forget_finished(outputs)
         self._publish_metrics()
@@ -418,7 +418,7 @@ class LLMEngine:
         request_ids = list(self._requests)
         for entry in self._requests.values():
             for sample in entry.samples:
-                self.scheduler.finish_request(sample, RequestStatus.FINISHED_ABORTED)
+                self.scheduler.finish_sample(sample, SampleStatus.FINISHED_ABORTED)
             self.structured_output.forget([sample.seq_id for sample in entry.samples])
         self._requests.clear()
         self.scheduler.reset_after_abort_all()

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pagedserve.core.config import LimitsConfig
 from pagedserve.core.errors import EngineOverloaded
 from pagedserve.core.metrics import EngineMetrics
-from pagedserve.core.request import Request
+from pagedserve.core.request import Sample
 
 NORMALIZER_SLACK = 4
 """A tokenizer normalizer (NFKC and the like) can compose several characters into one (e.g. a
@@ -73,10 +73,10 @@ class Deadlines:
     """Deadlines of live samples in a heap, so each step looks only at the ones that are due."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Request]] = []
+        self._heap: list[tuple[float, int, Sample]] = []
         self._order = 0  # ties broken by insertion order, never by comparing requests
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Sample) -> None:
         if request.deadline is None:
             return
         self._order += 1
@@ -85,7 +85,7 @@ class Deadlines:
             self._heap = [e for e in self._heap if not e[2].status.finished]
             heapq.heapify(self._heap)
 
-    def pop_expired(self, now: float | None = None) -> list[Request]:
+    def pop_expired(self, now: float | None = None) -> list[Sample]:
         """Unfinished requests whose deadline has passed (finished ones are dropped here)."""
         now = time.monotonic() if now is None else now
         expired = []

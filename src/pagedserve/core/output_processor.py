@@ -2,7 +2,7 @@
 
 Runs on the engine thread after every step: incremental detokenization, stop strings, logprobs,
 per-request timing and the latency histograms. Its state per sample lives on the sample itself
-(the output fields of core.request.Request); it never changes a sample's status. A stop string it
+(the output fields of core.request.Sample); it never changes a sample's status. A stop string it
 finds is reported back (ProcessedOutputs.stopped) and the engine has the scheduler finish the
 sample, so its blocks are freed in the same step, as vLLM's output processor returns
 `reqs_to_abort`. Where the token that completes a stop string also ended the sample in the
@@ -16,7 +16,7 @@ import time
 from pagedserve.core.detokenizer import IncrementalDetokenizer
 from pagedserve.core.metrics import EngineMetrics
 from pagedserve.core.outputs import RequestOutput, RequestTiming, TokenLogprobs
-from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.request import Sample, SampleStatus
 from pagedserve.core.step_types import ProcessedOutputs, RunnerOutput, StepUpdate
 
 
@@ -25,7 +25,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.metrics = metrics
 
-    def add(self, request: Request, detokenize: bool) -> None:
+    def add(self, request: Sample, detokenize: bool) -> None:
         """Set up a new sample's output state."""
         params = request.sampling_params
         if detokenize:
@@ -39,7 +39,7 @@ class OutputProcessor:
     def process(self, updates: list[StepUpdate], runner_out: RunnerOutput) -> ProcessedOutputs:
         now = time.monotonic()
         outputs: list[RequestOutput] = []
-        stopped: list[tuple[Request, str]] = []
+        stopped: list[tuple[Sample, str]] = []
         prompt_logprobs = runner_out.prompt_logprobs
         for request, token in updates:
             if prompt_logprobs and request.prompt_logprobs is not None:
@@ -57,12 +57,12 @@ class OutputProcessor:
             outputs.append(self._output(request, (token,), (logprobs,) if logprobs is not None else None, now, stop))
         return ProcessedOutputs(outputs, stopped)
 
-    def final_output(self, request: Request) -> RequestOutput:
+    def final_output(self, request: Sample) -> RequestOutput:
         """The final output of a sample the scheduler finished outside a sampled token (abort,
         timeout, unsatisfiable constraint)."""
         return self._output(request, (), None, time.monotonic(), None)
 
-    def _observe_timing(self, request: Request, now: float) -> None:
+    def _observe_timing(self, request: Sample, now: float) -> None:
         if request.first_token_time is None:
             request.first_token_time = now
             self.metrics.observe_first_token(now - request.arrival_time)
@@ -70,18 +70,18 @@ class OutputProcessor:
             self.metrics.observe_inter_token(now - request.last_token_time)
         request.last_token_time = now
 
-    def _output(self, request: Request, tokens: tuple[int, ...], logprobs: tuple[TokenLogprobs, ...] | None,
+    def _output(self, request: Sample, tokens: tuple[int, ...], logprobs: tuple[TokenLogprobs, ...] | None,
                 now: float, stop: str | None) -> RequestOutput:
         """stop: a stop string this step's token completed (the sample ends as "stop")."""
         status, stop_reason = request.status, request.stop_reason
         if stop is not None:
-            status, stop_reason = RequestStatus.FINISHED_STOPPED, stop
+            status, stop_reason = SampleStatus.FINISHED_STOPPED, stop
         finished = status.finished
         detok = request.detokenizer
         text = detok.get_delta(finished) if detok is not None else ""
-        if finished and detok is not None and detok.matched_stop is not None and status != RequestStatus.FINISHED_STOPPED:
+        if finished and detok is not None and detok.matched_stop is not None and status != SampleStatus.FINISHED_STOPPED:
             # text held back until the end completed a stop string: it ends the sample as a stop
-            status, stop_reason = RequestStatus.FINISHED_STOPPED, detok.matched_stop
+            status, stop_reason = SampleStatus.FINISHED_STOPPED, detok.matched_stop
         prompt_logprobs = None
         if request.prompt_logprobs is not None and not request.sent_prompt_logprobs and (tokens or finished):
             prompt_logprobs = tuple(request.prompt_logprobs)

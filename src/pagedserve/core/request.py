@@ -1,8 +1,8 @@
-"""Request state inside the engine, and who owns it.
+"""Request and sample state inside the engine, and who owns it.
 
 `EngineRequest` is the engine's one record of a client request, from `LLMEngine.add_request` until
 its last sample's final output: `LLMEngine` keeps them in its only map by request_id. It owns the
-request's samples: one `Request` per sample (n > 1 gives n), each the single source of truth for
+request's samples: one `Sample` per sequence (n > 1 gives n), each the single source of truth for
 that sequence, its scheduling state (status, tokens, computed tokens) and its output state
 (detokenizer, timing, logprobs) alike. A sample is identified by its `seq_id`, an int unique in the
 process (the client's request_id is shared by all samples, so it identifies none of them); samples
@@ -17,7 +17,7 @@ Who writes what (everything runs on the engine thread):
   the KV cache manager's block tables (freed and forgotten by the scheduler as it finishes the
   sample), and the sampler's seeded generators and cached prompts and the structured-output
   grammar matchers (dropped when SchedulerOutput.finished_seq_ids reports the sample finished).
-  The scheduler's `requests` index maps a step's seq_ids back to their samples; `Deadlines` holds
+  The scheduler's `samples` index maps a step's seq_ids back to their samples; `Deadlines` holds
   the samples that have one in a heap. Both hold references, not state.
 
 Beyond the engine, delivery keeps one entry per request_id: AsyncLLMEngine's stream (where the
@@ -36,7 +36,7 @@ from typing import Any
 from pagedserve.core.sampling_params import SamplingParams
 
 
-class RequestStatus(enum.Enum):
+class SampleStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -57,20 +57,20 @@ class RequestStatus(enum.Enum):
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_TIMEOUT: "timeout",
-    RequestStatus.FINISHED_UNSATISFIABLE: "unsatisfiable",
+    SampleStatus.FINISHED_STOPPED: "stop",
+    SampleStatus.FINISHED_LENGTH: "length",
+    SampleStatus.FINISHED_ABORTED: "abort",
+    SampleStatus.FINISHED_TIMEOUT: "timeout",
+    SampleStatus.FINISHED_UNSATISFIABLE: "unsatisfiable",
 }
 
 
 _seq_ids = itertools.count()
-"""Source of Request.seq_id: unique in the process, increasing in creation (arrival) order."""
+"""Source of Sample.seq_id: unique in the process, increasing in creation (arrival) order."""
 
 
 @dataclass(slots=True, eq=False)
-class Request:
+class Sample:
     """One sample (sequence) of a request: what the scheduler schedules and the runner computes."""
 
     request_id: str
@@ -85,7 +85,7 @@ class Request:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     """This sample's key in every per-sample map (scheduler, KV cache, runner, structured output)."""
     arrival_time: float = field(default_factory=time.monotonic)
-    status: RequestStatus = RequestStatus.WAITING
+    status: SampleStatus = SampleStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     """Tokens whose K/V are in the cache; catches up with num_tokens (prefill, decode, recompute)."""
@@ -93,7 +93,7 @@ class Request:
     cache_salt: str | None = None
     """Prefix-cache namespace: requests with different salts never share KV blocks."""
     use_prefix_cache: bool = True
-    prompt_leader: "Request | None" = None
+    prompt_leader: "Sample | None" = None
     """For samples 2..n of an n > 1 request: the sample that computes the shared prompt."""
     stop_reason: str | int | None = None
     first_scheduled_time: float | None = None
@@ -142,7 +142,7 @@ class EngineRequest:
     """One client request from add_request to its last final output (see the module docstring)."""
 
     request_id: str
-    samples: tuple[Request, ...]
+    samples: tuple[Sample, ...]
 
     @property
     def finished(self) -> bool:

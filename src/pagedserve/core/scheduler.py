@@ -10,7 +10,7 @@ The scheduler builds and owns the KV cache manager: the engine asks it, not the 
 request can ever fit, how much is queued, and to reset the cache after a failed step. It decides
 every finish in one place per step (update_from_output): length, EOS, stop tokens, a grammar that
 terminated or that no token can continue, an expired deadline; a stop string, which only the
-output stage can see, is handed back through finish_request, as an abort is.
+output stage can see, is handed back through finish_sample, as an abort is.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pagedserve.core.config import SchedulerConfig
 from pagedserve.core.kv_cache.layout import KVCacheLayout
 from pagedserve.core.kv_cache.manager import KVCacheManager
 from pagedserve.core.limits import Deadlines
-from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.request import Sample, SampleStatus
 from pagedserve.core.scheduling_policy import Admission, make_policy
 from pagedserve.core.step_types import ScheduledRequest, SchedulerOutput, StepResult, StepUpdate
 from pagedserve.core.structured_output.manager import GrammarBitmask, StructuredOutputManager, StructuredStep
@@ -64,12 +64,12 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, layout, max_chunk_tokens)
         self.structured_output = structured_output
         self.deadlines = Deadlines()
-        self._ended: list[Request] = []  # finished since the last update without a token of theirs
+        self._ended: list[Sample] = []  # finished since the last update without a token of theirs
         self._grammar: StructuredStep | None = None  # this step's masks, for update_from_output
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.requests: dict[int, Request] = {}
+        self.waiting: deque[Sample] = deque()
+        self.running: list[Sample] = []
+        self.samples: dict[int, Sample] = {}
         """seq_id -> live sample: maps a step's seq_ids back to their samples (the samples
         themselves belong to the engine's EngineRequest, core/request.py)."""
         self._finished_since_last_step: list[int] = []
@@ -79,19 +79,19 @@ class Scheduler:
         self._long_rope: set[int] = set()
         """seq_ids of samples restarted on the long rope factors (_switch_to_long_rope)."""
 
-    # -- requests in and out ---------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        self.requests[request.seq_id] = request
+    # -- samples in and out ----------------------------------------------------------------
+    def add_sample(self, request: Sample) -> None:
+        self.samples[request.seq_id] = request
         self.waiting.append(request)
         self.deadlines.add(request)
 
-    def finish_request(self, request: Request, status: RequestStatus,
+    def finish_sample(self, request: Sample, status: SampleStatus,
                        stop_reason: str | int | None = None) -> bool:
         """Finish a live sample from outside (abort, timeout, stop string, grammar) and free its
         blocks at once. Returns False, changing nothing, if it had already finished."""
-        if self.requests.get(request.seq_id) is not request:
+        if self.samples.get(request.seq_id) is not request:
             return False
-        if request.status == RequestStatus.RUNNING:
+        if request.status == SampleStatus.RUNNING:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
@@ -118,7 +118,7 @@ class Scheduler:
     def reset_after_abort_all(self) -> None:
         """After every request was aborted (a failed step): forget every prefix-cache entry (the
         step may have left blocks half written) and check nothing is scheduled or held."""
-        if self.requests or self.waiting or self.running:
+        if self.samples or self.waiting or self.running:
             raise RuntimeError("requests are still scheduled after aborting every request")
         self.deadlines.clear()
         self._ended.clear()
@@ -128,18 +128,18 @@ class Scheduler:
             raise RuntimeError(f"{self.kv.num_used_blocks} KV blocks still in use after aborting every request")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.samples)
 
     # -- one iteration -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         # 0. Samples past their deadline end ("timeout") before anything is scheduled.
         for request in self.deadlines.pop_expired():
-            if self.finish_request(request, RequestStatus.FINISHED_TIMEOUT):
+            if self.finish_sample(request, SampleStatus.FINISHED_TIMEOUT):
                 self._ended.append(request)
         budget = self.config.max_num_batched_tokens
         num_new: dict[int, int] = {}
         """seq_id -> tokens scheduled this step."""
-        preempted: list[Request] = []
+        preempted: list[Sample] = []
 
         # 1. Running requests first, in admission order, so decodes never wait behind prefills.
         i = 0
@@ -165,7 +165,7 @@ class Scheduler:
         #    Samples 2..n of a request wait (without blocking others) until their leader has
         #    computed the prompt, then start from the leader's prompt blocks.
         #    The policy orders the queue and may defer a request or stop admission (fcfs never does).
-        skipped: list[Request] = []
+        skipped: list[Sample] = []
         if not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             reordered = self.policy.order(self.waiting, self.running, self.kv)
             if reordered is not None:
@@ -191,7 +191,7 @@ class Scheduler:
             if request.num_computed_tokens == 0 and not from_leader:
                 self.kv.record_prefix_lookup(request, num_hit_tokens)  # once, on admission
             request.num_computed_tokens += num_hit_tokens
-            request.status = RequestStatus.RUNNING
+            request.status = SampleStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_hit_tokens
@@ -202,19 +202,19 @@ class Scheduler:
 
         scheduled = tuple(self._scheduled(r, num_new[r.seq_id]) for r in self.running if r.seq_id in num_new)
         total = sum(num_new.values())
-        if scheduled or self.requests:  # a step with nothing left to run (all just timed out) is none
+        if scheduled or self.samples:  # a step with nothing left to run (all just timed out) is none
             self.stats.num_steps_total += 1
         finished, self._finished_since_last_step = tuple(self._finished_since_last_step), []
         self._refresh_stats()
         return SchedulerOutput(scheduled, total, tuple(r.seq_id for r in preempted), finished)
 
     @staticmethod
-    def _waits_for_leader(request: Request) -> bool:
+    def _waits_for_leader(request: Sample) -> bool:
         leader = request.prompt_leader
         return (leader is not None and not leader.status.finished
                 and leader.num_computed_tokens < leader.num_prompt_tokens)
 
-    def _reusable_blocks(self, request: Request):
+    def _reusable_blocks(self, request: Sample):
         """KV blocks a newly admitted request can start from: its leader's prompt blocks when it is
         a sample of an n > 1 request whose leader is running, else prefix-cache hits.
         Returns (blocks, their tokens, whether they came from the leader)."""
@@ -222,20 +222,20 @@ class Scheduler:
             return [], 0, False
         leader = request.prompt_leader
         # A sample restarted on the long rope factors cannot use its leader's short-factor prompt blocks.
-        if leader is not None and leader.status == RequestStatus.RUNNING and request.seq_id not in self._long_rope:
+        if leader is not None and leader.status == SampleStatus.RUNNING and request.seq_id not in self._long_rope:
             blocks, num_tokens = self.kv.get_shared_prompt_blocks(leader, request)
             # A sliding-window group may have freed what the sample needs: try the prefix cache then.
             if num_tokens or self.kv.null_block is None:
                 return blocks, num_tokens, True
         return (*self.kv.get_computed_blocks(request), False)
 
-    def _num_tokens_to_compute(self, request: Request, budget: int, already: int = 0) -> int:
+    def _num_tokens_to_compute(self, request: Sample, budget: int, already: int = 0) -> int:
         n = request.num_tokens - request.num_computed_tokens - already
         if self.config.long_prefill_token_threshold is not None:
             n = min(n, self.config.long_prefill_token_threshold)
         return max(min(n, budget), 0)
 
-    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, request: Sample, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         return ScheduledRequest(
             seq_id=request.seq_id,
@@ -250,11 +250,11 @@ class Scheduler:
             eos_token_id=request.eos_token_id,
         )
 
-    def _group_block_ids(self, request: Request) -> tuple[tuple[int, ...], ...]:
+    def _group_block_ids(self, request: Sample) -> tuple[tuple[int, ...], ...]:
         """Block ids of layer groups 1.. (a model with one group has none: no extra work per step)."""
         return tuple(tuple(ids) for ids in self.kv.get_group_block_ids(request)[1:])
 
-    def _switch_to_long_rope(self, request: Request) -> None:
+    def _switch_to_long_rope(self, request: Sample) -> None:
         """Phi-3's longrope as transformers generates: a sample whose prompt fits
         original_max_position_embeddings runs on the short factors; once it grows past that length,
         transformers discards its cache and recomputes every token on the long factors
@@ -272,10 +272,10 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.cache_salt = f"{request.cache_salt or ''}\x00{switch[1]}"
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Sample) -> None:
         self.kv.free(request)
         request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
+        request.status = SampleStatus.PREEMPTED
         request.num_preemptions += 1
         self.stats.num_preemptions_total += 1
         self.waiting.appendleft(request)
@@ -303,10 +303,10 @@ class Scheduler:
                 # A grammar that accepted its stop token is complete: the sample stops there, even
                 # where the token rules would go on (ignore_eos, a second EOS id).
                 if request.seq_id in grammar.terminated:
-                    self.finish_request(request, RequestStatus.FINISHED_STOPPED)
+                    self.finish_sample(request, SampleStatus.FINISHED_STOPPED)
             for seq_id in grammar.unsatisfiable:  # no token fits the constraint: end it, say why
-                request = self.requests.get(seq_id)
-                if request is not None and self.finish_request(request, RequestStatus.FINISHED_UNSATISFIABLE):
+                request = self.samples.get(seq_id)
+                if request is not None and self.finish_sample(request, SampleStatus.FINISHED_UNSATISFIABLE):
                     self._ended.append(request)
         ended, self._ended = self._ended, []
         return StepResult(updates, ended)
@@ -315,7 +315,7 @@ class Scheduler:
         """Advance computed tokens, append sampled tokens, apply the token-level stop rules."""
         outputs: list[StepUpdate] = []
         for sched in scheduler_output.requests:
-            request = self.requests[sched.seq_id]
+            request = self.samples[sched.seq_id]
             n = len(sched.token_ids)
             self.stats.num_computed_prompt_tokens_total += max(
                 0, min(request.num_prompt_tokens, sched.start_position + n) - sched.start_position
@@ -337,24 +337,24 @@ class Scheduler:
         self._refresh_stats()
         return outputs
 
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+    def _check_stop(self, request: Sample, token: int) -> SampleStatus | None:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
             if token == request.eos_token_id and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
+                return SampleStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:
                 request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
+                return SampleStatus.FINISHED_STOPPED
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
+            return SampleStatus.FINISHED_LENGTH
         return None
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def _finish(self, request: Sample, status: SampleStatus) -> None:
         request.status = status
         self.kv.free(request)
         self.kv.forget(request)
         self._long_rope.discard(request.seq_id)
-        del self.requests[request.seq_id]
+        del self.samples[request.seq_id]
         self._finished_since_last_step.append(request.seq_id)
 
     def _refresh_stats(self) -> None:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pagedserve.core.config import SCHEDULING_POLICIES
 from pagedserve.core.kv_cache.block_pool import KVBlock
 from pagedserve.core.kv_cache.manager import KVCacheManager
-from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.request import Sample, SampleStatus
 
 __all__ = ["SCHEDULING_POLICIES", "Admission", "make_policy"]
 
@@ -50,11 +50,11 @@ class FcfsPolicy:
 
     name = "fcfs"
 
-    def order(self, waiting: Sequence[Request], running: Sequence[Request],
-              kv: KVCacheManager) -> list[Request] | None:
+    def order(self, waiting: Sequence[Sample], running: Sequence[Sample],
+              kv: KVCacheManager) -> list[Sample] | None:
         return None
 
-    def admit(self, request: Request, hits: list[KVBlock], num_new: dict[int, int], running: Sequence[Request],
+    def admit(self, request: Sample, hits: list[KVBlock], num_new: dict[int, int], running: Sequence[Sample],
               kv: KVCacheManager) -> Admission:
         return Admission.ADMIT
 
@@ -68,11 +68,11 @@ class PrefixPolicy:
         self.age_bound_s = age_bound_s
         self.clock = clock
 
-    def is_aged(self, request: Request, now: float) -> bool:
+    def is_aged(self, request: Sample, now: float) -> bool:
         return now - request.arrival_time > self.age_bound_s
 
-    def order(self, waiting: Sequence[Request], running: Sequence[Request],
-              kv: KVCacheManager) -> list[Request] | None:
+    def order(self, waiting: Sequence[Sample], running: Sequence[Sample],
+              kv: KVCacheManager) -> list[Sample] | None:
         if len(waiting) < 2:
             return None
         now = self.clock()
@@ -81,7 +81,7 @@ class PrefixPolicy:
         keyed = []
         for request in waiting:
             seq = request.seq_id  # arrival order: a stable tie-break that survives reordering
-            if request.status == RequestStatus.PREEMPTED:
+            if request.status == SampleStatus.PREEMPTED:
                 key = (0, seq)  # it already produced tokens: resume it first, as fcfs does
             elif self.is_aged(request, now):
                 key = (1, request.arrival_time, seq)
@@ -99,11 +99,11 @@ class PrefixPolicy:
         keyed.sort(key=lambda kr: kr[0])
         return [r for _, r in keyed]
 
-    def _within(self, group_rank: int, request: Request, num_shared_tokens: int) -> tuple:
+    def _within(self, group_rank: int, request: Sample, num_shared_tokens: int) -> tuple:
         """Order among requests sharing equally long prefixes: by prefix group."""
         return (group_rank,)
 
-    def admit(self, request: Request, hits: list[KVBlock], num_new: dict[int, int], running: Sequence[Request],
+    def admit(self, request: Sample, hits: list[KVBlock], num_new: dict[int, int], running: Sequence[Sample],
               kv: KVCacheManager) -> Admission:
         if self.is_aged(request, self.clock()):
             return Admission.ADMIT
@@ -112,8 +112,8 @@ class PrefixPolicy:
         return Admission.ADMIT
 
     @staticmethod
-    def _prefix_is_pending(request: Request, num_hit_blocks: int, num_new: dict[int, int],
-                           running: Sequence[Request], kv: KVCacheManager) -> bool:
+    def _prefix_is_pending(request: Sample, num_hit_blocks: int, num_new: dict[int, int],
+                           running: Sequence[Sample], kv: KVCacheManager) -> bool:
         """Whether a running request is still prefilling blocks this request would otherwise
         compute itself: waiting one step turns them into prefix hits."""
         if request.num_computed_tokens or request.prompt_leader is not None:
@@ -141,13 +141,13 @@ class ThroughputPolicy(PrefixPolicy):
         super().__init__(age_bound_s, clock)
         self._projected_blocks = 0
 
-    def _within(self, group_rank: int, request: Request, num_shared_tokens: int) -> tuple:
+    def _within(self, group_rank: int, request: Sample, num_shared_tokens: int) -> tuple:
         """Larger decode-to-prefill ratio first, then by prefix group."""
         to_prefill = max(request.num_prompt_tokens - num_shared_tokens, 1)
         return (-request.max_tokens / to_prefill, group_rank)
 
-    def order(self, waiting: Sequence[Request], running: Sequence[Request],
-              kv: KVCacheManager) -> list[Request] | None:
+    def order(self, waiting: Sequence[Sample], running: Sequence[Sample],
+              kv: KVCacheManager) -> list[Sample] | None:
         # Blocks held now plus what running requests still add before reaching max_tokens.
         # A sliding-window group holds a prefill chunk beyond its window only while prefilling.
         growth = sum(max(kv.max_blocks_per_seq(r.num_prompt_tokens + r.max_tokens,
@@ -157,7 +157,7 @@ class ThroughputPolicy(PrefixPolicy):
         self._projected_blocks = kv.num_used_blocks + growth
         return super().order(waiting, running, kv)
 
-    def admit(self, request: Request, hits: list[KVBlock], num_new: dict[int, int], running: Sequence[Request],
+    def admit(self, request: Sample, hits: list[KVBlock], num_new: dict[int, int], running: Sequence[Sample],
               kv: KVCacheManager) -> Admission:
         decision = super().admit(request, hits, num_new, running, kv)
         if decision is not Admission.ADMIT:

@@ -13,7 +13,7 @@ Data flows one way, once per step (core/engine.py, LLMEngine.step):
                                                             them back to the scheduler to finish)
 
 No stage imports another stage for its types, so the runner knows nothing of the output stage and
-the scheduler nothing of the runner. Samples are named by `Request.seq_id` throughout (an int unique
+the scheduler nothing of the runner. Samples are named by `Sample.seq_id` throughout (an int unique
 in the process; the client's request_id is shared by the samples of an n > 1 request).
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve.core.outputs import RequestOutput, TokenLogprobs
-from pagedserve.core.request import Request
+from pagedserve.core.request import Sample
 from pagedserve.core.sampling_params import SamplingParams
 
 
@@ -71,7 +71,7 @@ class RunnerOutput:
     """Per sample that asked for prompt logprobs: entries for the prompt tokens this step covered."""
 
 
-StepUpdate = tuple[Request, "int | None"]
+StepUpdate = tuple[Sample, "int | None"]
 """(sample, the token it sampled) for each scheduled sample after the step, in batch order. The
 token is None when it sampled none: a prefill chunk short of the prompt's end, or structured output
 found no allowed token. A plain tuple: one is built per sample and step."""
@@ -80,7 +80,7 @@ found no allowed token. A plain tuple: one is built per sample and step."""
 @dataclass(frozen=True, slots=True)
 class StepResult:
     updates: list[StepUpdate]
-    ended: list[Request]
+    ended: list[Sample]
     """Samples the scheduler finished this step without a token of theirs (an expired deadline, a
     grammar no token can continue): each gets a final output of its own."""
 
@@ -88,6 +88,6 @@ class StepResult:
 @dataclass(frozen=True, slots=True)
 class ProcessedOutputs:
     outputs: list[RequestOutput]
-    stopped: list[tuple[Request, str]]
+    stopped: list[tuple[Sample, str]]
     """Samples a stop string ended, with the string; the engine finishes them through the scheduler
     (their outputs already say finish_reason "stop")."""

@@ -4,7 +4,7 @@ The scheduler talks to this class only (never to the pool): it asks for the bloc
 reuse, then for room for n more tokens, and gets blocks or None (out of memory: preempt); it reads
 the pool's counters through the properties here. Per sample the manager keeps one record (its
 block tables, its block hashes, how many of its blocks are registered in the prefix cache), keyed
-by Request.seq_id and dropped by `forget` when the sample finishes.
+by Sample.seq_id and dropped by `forget` when the sample finishes.
 
 Layer groups (core/kv_cache/layout.py): a sample has one block table per group, all of the same
 length. A sliding-window group's blocks that fall wholly before its window go back to the pool as
@@ -23,7 +23,7 @@ from pagedserve.core.kv_cache.block_pool import BlockPool, KVBlock
 from pagedserve.core.kv_cache.group_hits import hit_blocks, longest_hit
 from pagedserve.core.kv_cache.layout import KVCacheLayout, cdiv, single_group_layout
 from pagedserve.core.kv_cache.prefix_hash import extend_block_hashes
-from pagedserve.core.request import Request
+from pagedserve.core.request import Sample
 
 __all__ = ["KVCacheManager", "PrefixCacheStats", "cdiv"]
 
@@ -110,17 +110,17 @@ class KVCacheManager:
         return sum(1 for block in hits if block.ref_cnt == 0)
 
     # -- per sample --------------------------------------------------------------------------------
-    def _uses_cache(self, request: Request) -> bool:
+    def _uses_cache(self, request: Sample) -> bool:
         return self.enable_prefix_caching and request.use_prefix_cache
 
-    def _state(self, request: Request) -> _SampleBlocks:
+    def _state(self, request: Sample) -> _SampleBlocks:
         state = self._samples.get(request.seq_id)
         if state is None:
             g = self.num_groups
             state = self._samples[request.seq_id] = _SampleBlocks([[] for _ in range(g)], num_skipped=[0] * g)
         return state
 
-    def _block_hashes(self, request: Request) -> list[bytes]:
+    def _block_hashes(self, request: Sample) -> list[bytes]:
         hashes = self._state(request).block_hashes
         if len(hashes) < request.num_tokens // self.block_size:
             extend_block_hashes(
@@ -128,32 +128,32 @@ class KVCacheManager:
             )
         return hashes
 
-    def prefix_hashes(self, request: Request) -> list[bytes]:
+    def prefix_hashes(self, request: Sample) -> list[bytes]:
         """Hashes of the request's full blocks (empty when it does not use the prefix cache);
         scheduling policies compare them to group requests that share a prefix."""
         return self._block_hashes(request) if self._uses_cache(request) else []
 
-    def num_held_blocks(self, request: Request) -> int:
+    def num_held_blocks(self, request: Sample) -> int:
         """Pool blocks the sample holds, over all groups (null placeholders excluded)."""
         return sum(self.num_held_blocks_per_group(request))
 
-    def num_held_blocks_per_group(self, request: Request) -> list[int]:
+    def num_held_blocks_per_group(self, request: Sample) -> list[int]:
         state = self._samples.get(request.seq_id)
         if state is None:
             return [0] * self.num_groups
         return [sum(1 for b in table if b is not self.null_block) for table in state.tables]
 
-    def get_blocks(self, request: Request) -> list[KVBlock]:
+    def get_blocks(self, request: Sample) -> list[KVBlock]:
         """The sample's block table of group 0 (a copy)."""
         state = self._samples.get(request.seq_id)
         return list(state.tables[0]) if state is not None else []
 
-    def get_block_ids(self, request: Request) -> list[int]:
+    def get_block_ids(self, request: Sample) -> list[int]:
         """Group 0's block ids."""
         state = self._samples.get(request.seq_id)
         return [b.block_id for b in state.tables[0]] if state is not None else []
 
-    def get_group_block_ids(self, request: Request) -> list[list[int]]:
+    def get_group_block_ids(self, request: Sample) -> list[list[int]]:
         """Every group's block ids (null placeholders as the null block's id)."""
         state = self._samples.get(request.seq_id)
         if state is None:
@@ -164,7 +164,7 @@ class KVCacheManager:
         """Pool blocks in a list of reusable blocks (the null placeholders cost nothing)."""
         return sum(1 for b in hits if b is not self.null_block)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: Sample) -> tuple[list[KVBlock], int]:
         """The longest prefix of the request's full blocks that every group has cached, and its
         length in tokens. The last token is never taken from the cache: it must run to produce logits."""
         if not self._uses_cache(request):
@@ -179,14 +179,14 @@ class KVCacheManager:
         h = longest_hit(self.windows, self.block_size, limit, lookup)
         return hit_blocks(self.windows, self.block_size, h, lookup, self.null_block), h * self.block_size
 
-    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+    def record_prefix_lookup(self, request: Sample, num_hit_tokens: int) -> None:
         """Count one lookup once the request is admitted: a request that waits at the head of the
         queue is looked up again every step, and counting each try would inflate both counters."""
         if self._uses_cache(request):
             self.prefix_stats.queries += request.num_tokens
             self.prefix_stats.hits += num_hit_tokens
 
-    def get_shared_prompt_blocks(self, leader: Request, request: Request) -> tuple[list[KVBlock], int]:
+    def get_shared_prompt_blocks(self, leader: Sample, request: Sample) -> tuple[list[KVBlock], int]:
         """The leader's full blocks that hold only prompt tokens the sample shares (n > 1), with
         the same rule as a prefix hit: the sample computes at least its last prompt token. A
         sliding group must still hold the window before the shared prefix's end, else the prefix
@@ -222,7 +222,7 @@ class KVCacheManager:
         return lo
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
+        self, request: Sample, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
     ) -> list[KVBlock] | None:
         """Make room for num_new_tokens after the request's computed tokens (and prefix hits).
 
@@ -274,7 +274,7 @@ class KVCacheManager:
             state.num_skipped[g] = stop
             self._pool.free_blocks(freed)
 
-    def _cache_full_blocks(self, request: Request, state: _SampleBlocks, num_full: int) -> None:
+    def _cache_full_blocks(self, request: Sample, state: _SampleBlocks, num_full: int) -> None:
         # Blocks filled in this step are registered now: every layer stores the whole batch's K/V
         # before any attention reads, so a request scheduled later in the same step may share them.
         start = state.num_cached_blocks
@@ -289,7 +289,7 @@ class KVCacheManager:
                     self._pool.cache_block(table[i], _group_key(g, hashes[i]))
         state.num_cached_blocks = end
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Sample) -> None:
         """Return the sample's blocks, tail first, so its least shareable blocks are evicted first.
         Its block hashes stay (a preempted sample recomputes the same tokens)."""
         state = self._samples.get(request.seq_id)
@@ -302,7 +302,7 @@ class KVCacheManager:
         for table in tables:
             self._pool.free_blocks(b for b in reversed(table) if b is not null)
 
-    def forget(self, request: Request) -> None:
+    def forget(self, request: Sample) -> None:
         """Drop the sample's record once it has finished for good (after `free`)."""
         self._samples.pop(request.seq_id, None)
 
