@@ -14,6 +14,9 @@
 // On a 2-core AVX-512 Xeon without AMX, the same step took 39.2 ms until Vec16's splat, tail
 // fill and horizontal max / sum compiled to vector code (vec_avx2.h, vec.h); 31.7 ms since.
 //
+// Attention logit softcapping (Gemma 2): each chunk's scaled scores are capped (vec.h's
+// softcap_scores) before they enter the online softmax, so the running max is the capped one.
+//
 // Work items are (sequence, position range): with fewer sequences than threads x 4, long contexts
 // are split and the parts merged by log-sum-exp, so batch-1 decode uses every core. Items are
 // dealt to threads in contiguous runs of about equal cost (positions read).
@@ -146,7 +149,7 @@ PAGEDSERVE_INLINE void attend_any(const float* q, const Source& k, const Source&
         for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[t * g.row + d];
         s[t] = dot * scale;
       }
-      if (g.softcap > 0.f) softcap_scores(s, n, g.softcap);
+      if (g.softcap > 0.f) softcap_scores(s, n, 1.f, g.softcap);
       const float alpha = online_softmax_scalar(s, n, st.m + h, st.l + h);
       float* a = st.acc + h * D;
       for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
@@ -246,7 +249,7 @@ PAGEDSERVE_INLINE void attend_heads(const float* q, const void* kr, const void* 
     for (int64_t g = 0; g < GB; ++g) VO::store(scores + g * kChunk + t0, VO::reduce(dots[g]) * scale);
   }
   if (softcap > 0.f) {  // before the max: the softmax below sees the capped scores
-    for (int64_t g = 0; g < GB; ++g) softcap_scores(scores + g * kChunk, n, softcap);
+    for (int64_t g = 0; g < GB; ++g) softcap_scores(scores + g * kChunk, n, 1.f, softcap);
   }
   float alpha[GB];
   for (int64_t g = 0; g < GB; ++g) {

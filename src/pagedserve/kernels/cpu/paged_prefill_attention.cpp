@@ -21,7 +21,9 @@
 // end), head_dim a multiple of 32; the Python side keeps the reference SDPA for the rest.
 //
 // Attention logit softcapping (Gemma 2): a block's visible scores are scaled and capped
-// (tanh(s / cap) * cap, vec.h's softcap_scores) before the softmax, which then runs unscaled.
+// (tanh(s * scale / cap) * cap, vec.h's softcap_scores) before the softmax, which then runs
+// unscaled. With libm's scalar tanh the cap doubled the kernel's time (a 512-token prompt at
+// Gemma 2 2B's shapes: 15.9 -> 31.6 ms); vec.h's vectorised tanh lowers the cost (docs/benchmarks.md).
 //
 // Sliding windows (Gemma 2/3, Mistral): the row at position p sees keys (p - window, p]. Only the
 // keys some row of the chunk may see are gathered (from the first row's window start, rounded down
@@ -220,8 +222,7 @@ void prefill_sequence(T* out, const T* query, const float* kt, const float* v, i
         for (int64_t r = 0; r < rows; ++r) {
           float* row = scores.data() + r * lds + begin[r];
           const int64_t count = visible[r] - begin[r];
-          for (int64_t j = 0; j < count; ++j) row[j] *= scale;
-          softcap_scores(row, count, softcap);
+          softcap_scores(row, count, scale, softcap);
         }
         softmax_scale = 1.f;
       }
