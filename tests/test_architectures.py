@@ -54,8 +54,7 @@ def test_greedy_matches_transformers(tiny_model_dir, family, backend, block_size
                          max_num_batched_tokens=budget)
     prompts = random_prompts(4, 3, 90, seed=FAMILIES.index(family) * 10 + block_size)
     # Phi-3: prompts past 32 run on the long factors throughout; an 8-token prompt plus 24 new
-    # tokens stays on the short ones. (One that crosses 32 while generating is where transformers'
-    # Phi-3 recomputes its whole cache with the long factors and pagedserve does not: docs/design.md.)
+    # tokens stays on the short ones (tests/test_longrope_switch.py crosses 32 while generating).
     prompts[0] = prompts[0][:8] if family == "phi3" else prompts[0][:20]
     if family == "phi3":
         prompts[1:] = [p * (32 // len(p) + 1) for p in prompts[1:]]  # all past 32
@@ -84,12 +83,37 @@ def test_prefix_cache_hits_stay_exact(tiny_model_dir, family):
     assert_all_free(engine)
 
 
-def test_gemma2_softcaps_cap(tiny_model_dir):
-    """The softcaps act in this config (the outputs change without them), and the engine's
+@pytest.mark.parametrize("family", ["gemma2", "gemma2-256"])
+def test_gemma2_softcapped_attention_runs_in_the_cpp_kernels(tiny_model_dir, family, monkeypatch):
+    """Gemma 2's capped scores inside the C++ decode and prefill kernels (the reference paths
+    refused): prompts of 20..90 tokens under a window of 16, chunked by a 37-token budget; greedy
+    tokens equal transformers'. head_dim 32 takes the decode kernel's any-head_dim code, 256 its
+    vector code; prefill rows take the prefill kernel where the CPU has AVX-512 or AVX2."""
+    from pagedserve.kernels import cpu
+
+    path = tiny_model_dir(family)
+    engine = make_engine(path, "gemma2", attention_backend="cpu", block_size=16, max_num_batched_tokens=37)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("softcapped attention fell back to the reference")
+
+    monkeypatch.setattr(cpu.attention.reference, "paged_attention", refuse)
+    if cpu.attention._prefill_kernel(torch.empty(1, 1, 32), torch.empty(1, 1, 32)) is not None:
+        monkeypatch.setattr(cpu.attention, "prefill_attention", refuse)
+    prompts = random_prompts(4, 20, 90, seed=13)
+    results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))
+    for prompt, res in zip(prompts, results):
+        assert list(res.token_ids) == hf_greedy(path, prompt, MAX_NEW), f"prompt of {len(prompt)} tokens"
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma2-256"])
+def test_gemma2_softcaps_cap(tiny_model_dir, family):
+    """The softcaps act in these configs (the outputs change without them), and the engine's
     logprobs, which the final softcap shapes, equal transformers' to fp32 rounding."""
     from transformers import AutoModelForCausalLM
 
-    path = tiny_model_dir("gemma2")
+    path = tiny_model_dir(family)
     prompt = random_prompts(1, 60, 60, seed=11)[0]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():

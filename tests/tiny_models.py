@@ -94,6 +94,9 @@ def _config_new_families(family: str, common: dict):
     if family == "gemma2":
         return Gemma2Config(**{**gemma, "head_dim": 32}, query_pre_attn_scalar=24, sliding_window=16,
                             attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    if family == "gemma2-256":  # Gemma 2 2B/9B's head_dim: the decode kernel's vector code
+        return Gemma2Config(**gemma, query_pre_attn_scalar=24, sliding_window=16, attn_logit_softcapping=2.0,
+                            final_logit_softcapping=3.0)
     if family == "phi3":  # longrope past 32 positions, half of each head rotating, a 48-token window
         rot = 8  # head_dim 16 * partial_rotary_factor 0.5
         return Phi3Config(**{**common, "pad_token_id": 0}, partial_rotary_factor=0.5, sliding_window=48,

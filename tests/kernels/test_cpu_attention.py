@@ -230,7 +230,7 @@ def test_bf16_prefill_rows_take_sdpa_where_bf16_is_native(monkeypatch):
     assert kernel_for(bf16, bf16) is None
     calls = []
     real = cpu.attention.prefill_attention
-    monkeypatch.setattr(cpu.attention, "prefill_attention", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(cpu.attention, "prefill_attention", lambda *a, **kw: calls.append(a[-1]) or real(*a, **kw))
     run_both(MIXED, num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
     assert calls == [torch.bfloat16]  # SDPA in bf16, once per batch with prefill rows
 

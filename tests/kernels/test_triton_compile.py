@@ -18,10 +18,11 @@ import torch
 
 TL_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8",
             torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
-# (query dtype, cache dtype, QUANT, FP32_DOT, NUM_SPLITS, USE_WINDOW)
-ATTENTION_CASES = [(torch.bfloat16, torch.int8, 1, False, 4, True),
-                   (torch.float16, torch.float8_e4m3fn, 2, False, 1, False),
-                   (torch.float32, torch.float32, 0, True, 1, False)]
+# (query dtype, cache dtype, QUANT, FP32_DOT, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP)
+ATTENTION_CASES = [(torch.bfloat16, torch.int8, 1, False, 4, True, False),
+                   (torch.float16, torch.float8_e4m3fn, 2, False, 1, False, False),
+                   (torch.float32, torch.float32, 0, True, 1, False, False),
+                   (torch.bfloat16, torch.bfloat16, 0, False, 2, True, True)]  # Gemma 2: window and softcap
 # (cache dtype, QUANT, ROUND)
 STORE_CASES = [(torch.float8_e4m3fn, 1, False), (torch.int8, 2, False), (torch.bfloat16, 0, True)]
 
@@ -52,14 +53,14 @@ def main() -> None:
     import pagedserve.kernels.triton.kv_store as store
     from pagedserve.kernels.triton.quant import quant_constexprs
 
-    for q_dtype, cache_dtype, quant, fp32_dot, splits, window in ATTENTION_CASES:
+    for q_dtype, cache_dtype, quant, fp32_dot, splits, window, softcap in ATTENTION_CASES:
         q, c = TL_TYPES[q_dtype], TL_TYPES[cache_dtype]
         ptrs = dict(q_ptr=q, out_ptr=q, k_cache_ptr=c, v_cache_ptr=c, k_scale_ptr="fp32", v_scale_ptr="fp32",
                     part_ml_ptr="fp32", part_acc_ptr="fp32", block_table_ptr="i32", query_start_loc_ptr="i32",
                     seq_lens_ptr="i32", q_block_seq_ptr="i32")
         compile_sm90(attn._paged_attention_kernel, ptrs, dict(
             BLOCK_Q=5, BLOCK_M=16, BLOCK_N=attn.BLOCK_N, BLOCK_D=128, NUM_SPLITS=splits, QUANT=quant,
-            USE_WINDOW=window, FP32_DOT=fp32_dot), float_args=("qk_scale",))
+            USE_WINDOW=window, FP32_DOT=fp32_dot, USE_SOFTCAP=softcap), float_args=("qk_scale", "softcap"))
         print("compiled attention", q, c, flush=True)
     compile_sm90(attn._reduce_splits_kernel, dict(part_ml_ptr="fp32", part_acc_ptr="fp32", out_ptr="bf16"),
                  dict(NUM_SPLITS=5, BLOCK_R=2, BLOCK_S=8, BLOCK_D=128))

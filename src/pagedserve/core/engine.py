@@ -150,12 +150,18 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, num_blocks=self.num_kv_blocks,
                                    block_size=cc.block_size, enable_prefix_caching=cc.enable_prefix_caching,
                                    layout=layout, max_chunk_tokens=self._max_chunk_tokens(),
-                                   structured_output=self.structured_output,
+                                   structured_output=self.structured_output, rope_switch=self._rope_switch(),
                                    max_loras=lc.max_loras if lc.enable_lora else None)
         self._publish_metrics()
         logger.info("pagedserve engine: %s on %s in %s, %d KV blocks of %d tokens; loaded in %.2fs (%s)",
                     self.model_path, self.device, self.dtype, self.num_kv_blocks, cc.block_size,
                     time.perf_counter() - started, ", ".join(f"{k} {v:.2f}s" for k, v in self.load_seconds.items()))
+
+    def _rope_switch(self) -> tuple[int, str] | None:
+        """A longrope model's switch length and the prefix-cache key of its long factors (Scheduler)."""
+        model = self.runner.model
+        switch = getattr(model, "rope_switch_length", None)
+        return None if switch is None else (switch, model.prefix_cache_key(switch + 1))
 
     def _start_threads(self) -> ThreadGovernor:
         """The compute threads: what the process may use (core/cpu_threads.py), adjusted while it
@@ -223,7 +229,7 @@ class LLMEngine:
         calls it off the engine thread, so a long prompt never holds up a step."""
         self.check_prompt_size(prompt)
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return self._refuse_image_tokens(self.tokenizer.encode(prompt, add_special_tokens=True))
         if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
             raise InvalidRequest(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
         ids = list(prompt)
@@ -231,6 +237,17 @@ class LLMEngine:
         for i, t in enumerate(ids):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise InvalidRequest(f"prompt token ids: item {i} is {t!r}; token ids must be integers in [0, {vocab})")
+        return self._refuse_image_tokens(ids)
+
+    def _refuse_image_tokens(self, ids: list[int]) -> list[int]:
+        """A multimodal checkpoint served as its text decoder (Gemma3ForConditionalGeneration): its
+        image placeholder token would be embedded as a word, where the model expects image features."""
+        image = self.arch.image_token_id
+        if image is not None and image in ids:
+            raise InvalidRequest(
+                f"prompt holds token id {image}, this model's image placeholder "
+                f"({self.tokenizer.convert_ids_to_tokens(image)!r}): pagedserve serves the text decoder of "
+                f"{self.arch.architecture} and takes no images; send text only")
         return ids
 
     def prepare_params(self, params: SamplingParams) -> SamplingParams:

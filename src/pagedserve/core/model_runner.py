@@ -73,9 +73,12 @@ class ModelRunner:
 
         rope_lengths = None
         if self.model.needs_rope_lengths:
-            prompt_lens = np.fromiter((len(x.static.prompt_token_ids) for x in samples), dtype=np.int64,
-                                      count=len(reqs))
-            rope_lengths = dev(np.maximum(np.repeat(prompt_lens, q_lens), positions + 1))
+            # Dynamic NTK: the prompt's length; longrope: the sample's whole current length
+            # (core/layers/rotary.py says why).
+            whole = self.model.rope_switch_length is not None
+            lengths = np.fromiter((len(x.static.prompt_token_ids) + (len(x.output_token_ids) if whole else 0)
+                                   for x in samples), dtype=np.int64, count=len(samples))
+            rope_lengths = dev(np.maximum(np.repeat(lengths, q_lens), positions + 1))
 
         group_tables = ()
         if self.num_groups > 1:

@@ -58,9 +58,12 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, max_model_len: int, *, num_blocks: int, block_size: int,
                  enable_prefix_caching: bool, layout: KVCacheLayout | None = None,
                  max_chunk_tokens: int | None = None,
-                 structured_output: StructuredOutputManager | None = None, max_loras: int | None = None) -> None:
+                 structured_output: StructuredOutputManager | None = None,
+                 rope_switch: tuple[int, str] | None = None, max_loras: int | None = None) -> None:
         """The KV cache arguments are KVCacheManager's (core/kv_cache/manager.py).
         structured_output: the constrained samples' grammars; their masks and accepts run here.
+        rope_switch: a longrope model's (original_max_position_embeddings, prefix-cache key of its
+        long factors): see _switch_to_long_rope.
         max_loras: the most distinct LoRA adapters the running requests may use (None: LoRA off)."""
         self.max_loras = max_loras
         self.config = config
@@ -81,6 +84,11 @@ class Scheduler:
         send the rest); absent for a sample the runner does not hold: it is sent as new."""
         self.stats = SchedulerStats()
         self.policy = make_policy(config.scheduling_policy, config.scheduling_age_bound_s)
+        self.rope_switch = rope_switch
+        self._long_rope: set[int] = set()
+        """seq_ids of samples restarted on the long rope factors (_switch_to_long_rope)."""
+        self._restarted: list[int] = []
+        """Running samples restarted since the last step, which the runner must drop."""
 
     # -- samples in and out ----------------------------------------------------------------
     def add_sample(self, request: Sample) -> None:
@@ -148,6 +156,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            self._switch_to_long_rope(request)
             n = self._num_tokens_to_compute(request, budget)
             while self.kv.allocate_slots(request, n) is None:
                 victim = self.running.pop()  # the most recently admitted
@@ -181,6 +190,7 @@ class Scheduler:
             if self._waits_for_leader(request) or self._waits_for_lora_slot(request, adapters):
                 skipped.append(self.waiting.popleft())
                 continue
+            self._switch_to_long_rope(request)  # before the prefix lookup: it changes the salt
             hits, num_hit_tokens, from_leader = self._reusable_blocks(request)
             admission = self.policy.admit(request, hits, num_new, self.running, self.kv)
             if admission is Admission.DEFER:
@@ -214,7 +224,9 @@ class Scheduler:
             self.stats.num_steps_total += 1
         finished, self._finished_since_last_step = tuple(self._finished_since_last_step), []
         self._refresh_stats()
-        return SchedulerOutput(tuple(new_samples), scheduled, total, tuple(r.seq_id for r in preempted), finished)
+        dropped = (*(r.seq_id for r in preempted), *self._restarted)
+        self._restarted.clear()
+        return SchedulerOutput(tuple(new_samples), scheduled, total, dropped, finished)
 
     def _waits_for_lora_slot(self, request: Sample, adapters: set[int]) -> bool:
         return (self.max_loras is not None and request.lora_id != 0 and request.lora_id not in adapters
@@ -233,7 +245,8 @@ class Scheduler:
         if request.num_computed_tokens != 0:
             return [], 0, False
         leader = request.prompt_leader
-        if leader is not None and leader.status == SampleStatus.RUNNING:
+        # A sample restarted on the long rope factors cannot use its leader's short-factor prompt blocks.
+        if leader is not None and leader.status == SampleStatus.RUNNING and request.seq_id not in self._long_rope:
             blocks, num_tokens = self.kv.get_shared_prompt_blocks(leader, request)
             # A sliding-window group may have freed what the sample needs: try the prefix cache then.
             if num_tokens or self.kv.null_block is None:
@@ -264,6 +277,27 @@ class Scheduler:
             new_block_ids=new_block_ids,
             num_null_blocks=num_null,
         )
+
+    def _switch_to_long_rope(self, request: Sample) -> None:
+        """Phi-3's longrope as transformers generates: a sample whose prompt fits
+        original_max_position_embeddings runs on the short factors; once it grows past that length,
+        transformers discards its cache and recomputes every token on the long factors
+        (Phi3ForCausalLM.prepare_inputs_for_generation). Here the sample's blocks are freed and it
+        recomputes its whole sequence from position 0, as a recompute after preemption does (the
+        runner rotates by the sample's current length, now past the switch), under the prefix-cache
+        salt of long-factor prompts, which its blocks may now be shared with. Once per sample."""
+        switch = self.rope_switch
+        if (switch is None or request.num_prompt_tokens > switch[0] or request.num_tokens <= switch[0]
+                or request.seq_id in self._long_rope):
+            return
+        self._long_rope.add(request.seq_id)
+        self.kv.free(request)
+        # The runner drops its copy (sent with the preempted ids) and gets the sample anew.
+        if self._runner_table_lengths.pop(request.seq_id, None) is not None:
+            self._restarted.append(request.seq_id)
+        self.kv.forget(request)  # its block hashes are salted for the short factors
+        request.num_computed_tokens = 0
+        request.cache_salt = f"{request.cache_salt or ''}\x00{switch[1]}"
 
     def _preempt(self, request: Sample) -> None:
         self.kv.free(request)
@@ -352,6 +386,7 @@ class Scheduler:
         self.kv.free(request)
         self.kv.forget(request)
         self._runner_table_lengths.pop(request.seq_id, None)
+        self._long_rope.discard(request.seq_id)
         del self.samples[request.seq_id]
         self._finished_since_last_step.append(request.seq_id)
 

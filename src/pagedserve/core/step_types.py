@@ -72,7 +72,8 @@ class SchedulerOutput:
     scheduled: tuple[ScheduledSample, ...]
     num_batched_tokens: int
     preempted_seq_ids: tuple[int, ...]
-    """Samples preempted this step: the runner drops them (they come back as new samples)."""
+    """Samples the runner drops before this step's new ones: those preempted this step, and running
+    ones restarted from position 0 (a longrope switch); both come back as new samples."""
     finished_seq_ids: tuple[int, ...] = ()
     """Samples that finished or were aborted since the previous step (the runner, the sampler and
     structured output drop their state for them)."""

@@ -236,9 +236,17 @@ class TextPart(_Strict):
     text: str
 
 
+class MediaPart(BaseModel):
+    """An image, audio, video or file content part (OpenAI's and vLLM's spellings): parsed only to
+    be refused by name, since pagedserve serves text decoders (a multimodal checkpoint such as
+    Gemma3ForConditionalGeneration runs as its text decoder)."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file"]
+
+
 class ChatMessage(_Strict):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | MediaPart] | None = None
     """None (or absent) only on an assistant message with tool_calls."""
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -248,6 +256,12 @@ class ChatMessage(_Strict):
 
     def as_template_input(self, i: int = 0) -> dict[str, Any]:
         """The chat template's view of this message (messages[i]); 400 names a malformed field."""
+        for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
+            if isinstance(part, MediaPart):
+                raise _refuse(f"messages[{i}].content[{j}]",
+                              f"messages[{i}].content[{j}] is a {part.type!r} part: pagedserve serves text models "
+                              "only (a multimodal checkpoint runs as its text decoder) and takes no images, audio, "
+                              "video or files; send text parts")
         content = self.content if isinstance(self.content, str) or self.content is None \
             else "".join(p.text for p in self.content)
         return template_message(i, self.role, content, self.tool_calls, self.tool_call_id)

@@ -18,13 +18,19 @@ the longest position of each forward (`dynamic_rope_update`): longrope switches 
 factors to the long ones once that length passes original_max_position_embeddings, and dynamic NTK
 raises the base once it passes max_position_embeddings. In generate() that length is the prompt's
 for every prompt token and position + 1 for each new token, and K/V keep the rotation they were
-computed with. RotaryEmbedding.rows() follows exactly that rule per token, from the request's
-prompt length (ForwardBatch.rope_lengths = max(prompt length, position + 1)), so chunked prefill,
-batching and preemption give the same rotation as transformers; `prefix_cache_key` says which
-prompt lengths may share cached blocks. One case is not transformers': Phi-3's generate() discards
-its cache when a sequence grows past original_max_position_embeddings and recomputes all of it
-with the long factors; here the tokens computed before the switch keep their short-factor K/V
-(vLLM's behaviour too).
+computed with. RotaryEmbedding.rows() follows exactly that rule per token from
+ForwardBatch.rope_lengths, so chunked prefill, batching and preemption give the same rotation as
+transformers; `prefix_cache_key` says which prompt lengths may share cached blocks.
+
+Dynamic NTK: rope_lengths = max(prompt length, position + 1). Longrope: rope_lengths = the
+sample's current length (prompt + outputs), because Phi-3's generate() does not keep short-factor
+K/V past the switch: when a sequence that started at or under original_max_position_embeddings
+grows past it, transformers discards its cache and recomputes every token with the long factors
+(Phi3ForCausalLM.prepare_inputs_for_generation). The scheduler does the same (`switch_length`:
+it restarts such a sample from position 0 under the long factors' prefix-cache key), so every
+token a sample computes uses the factors of its length at that moment, as in transformers. vLLM
+instead picks one factor set per request from its prompt length plus max_tokens and never
+switches (docs/models.md).
 """
 
 from __future__ import annotations
@@ -203,6 +209,12 @@ class RotaryEmbedding:
         self.sin = sin.to(device=device, dtype=dtype).contiguous()
 
     @property
+    def switch_length(self) -> int | None:
+        """Longrope: original_max_position_embeddings, the longest sequence on the short factors (a
+        sample growing past it recomputes its K/V on the long ones, see the module docstring)."""
+        return self.params["original_max_position_embeddings"] if self.rope_type == "longrope" else None
+
+    @property
     def length_dependent(self) -> bool:
         """Whether a token's rotation depends on its sequence's length (see the module docstring)."""
         return self.rope_type in _LENGTH_DEPENDENT
@@ -219,8 +231,8 @@ class RotaryEmbedding:
     def rows(self, positions: torch.Tensor, rope_lengths: torch.Tensor | None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(cos, sin, index) for one forward: token i rotates by cos[index[i]], sin[index[i]].
-        rope_lengths: per token, max(its request's prompt length, position + 1) (length-dependent
-        types only)."""
+        rope_lengths: per token, its sample's length as the module docstring defines it
+        (length-dependent types only)."""
         if self.rope_type == "longrope":
             assert rope_lengths is not None, "longrope needs the batch's rope_lengths"
             long = rope_lengths > self.params["original_max_position_embeddings"]

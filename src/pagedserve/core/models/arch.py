@@ -6,11 +6,14 @@ per layer computing weight * (1 + w), embeddings times sqrt(hidden_size), tanh-G
 scaled by query_pre_attn_scalar ** -0.5, sliding-window layers in a pattern; Gemma 2 softcaps
 attention and final logits, Gemma 3 normalises q and k and gives its sliding layers their own
 rope) and Phi-3 (fused qkv_proj / gate_up_proj in the checkpoint, longrope, partial rotary).
+Gemma3ForConditionalGeneration (the multimodal Gemma 3) runs as its text decoder, from text_config.
 A config feature the decoder does not implement raises UnsupportedModel naming it.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +76,12 @@ class ModelArch:
     """Gemma 2: logits become tanh(l / c) * c."""
     fused_checkpoint: bool = False
     """Phi-3: the checkpoint stores qkv_proj and gate_up_proj already fused."""
+    multimodal_text: bool = False
+    """Gemma3ForConditionalGeneration: the text decoder of a multimodal checkpoint (its weights
+    under language_model.*, the vision tower's left unread; the loader maps the names)."""
+    image_token_id: int | None = None
+    """The multimodal checkpoint's image placeholder token (image_token_index): prompts holding it
+    are refused, since no vision tower runs to fill it."""
 
     @property
     def rope_extends_context(self) -> bool:
@@ -84,10 +93,7 @@ class ModelArch:
         archs = list(getattr(cfg, "architectures", None) or [])
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None and "Gemma3ForConditionalGeneration" in archs:
-            raise UnsupportedModel(
-                "architectures=['Gemma3ForConditionalGeneration'] (Gemma 3 with vision) is not supported: its "
-                "text decoder is not read out of the multimodal checkpoint; use a text-only Gemma 3 checkpoint "
-                "(Gemma3ForCausalLM, e.g. gemma-3-1b-it)")
+            return _gemma3_text_of_multimodal(cls, cfg)
         if arch is None:
             raise UnsupportedModel(
                 f"architectures={archs} is not supported; pagedserve runs {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -142,6 +148,27 @@ class ModelArch:
             final_softcap=getattr(cfg, "final_logit_softcapping", None) if gemma else None,
             fused_checkpoint=arch == "Phi3ForCausalLM",
         )
+
+
+def _gemma3_text_of_multimodal(cls, cfg: Any) -> ModelArch:
+    """Gemma 3 4B/12B/27B (Gemma3ForConditionalGeneration): its text decoder, which is
+    Gemma3ForCausalLM's, configured by the nested text_config. Token ids the top level sets (eos,
+    bos) win over text_config's, as in the checkpoints Google publishes ([1, 106]: <eos>,
+    <end_of_turn>)."""
+    text = getattr(cfg, "text_config", None)
+    if text is None:
+        raise UnsupportedModel("Gemma3ForConditionalGeneration config.json has no text_config; cannot find its "
+                               "text decoder")
+    text = copy.deepcopy(text)
+    text.architectures = ["Gemma3ForCausalLM"]
+    for name in ("eos_token_id", "bos_token_id"):
+        if getattr(cfg, name, None) is not None:
+            setattr(text, name, getattr(cfg, name))
+    image_token = getattr(cfg, "image_token_index", None)
+    if image_token is None:
+        image_token = getattr(cfg, "image_token_id", None)
+    return dataclasses.replace(cls.from_hf_config(text), architecture="Gemma3ForConditionalGeneration",
+                               multimodal_text=True, image_token_id=image_token)
 
 
 def _refuse_unsupported(cfg: Any, arch: str) -> None:

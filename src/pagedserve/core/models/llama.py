@@ -109,6 +109,11 @@ class LlamaDecoder:
         """Whether forward() needs ForwardBatch.rope_lengths (longrope, dynamic NTK)."""
         return self.rotary.length_dependent or self.local_rotary.length_dependent
 
+    @property
+    def rope_switch_length(self) -> int | None:
+        """Longrope's switch (RotaryEmbedding.switch_length), else None."""
+        return self.rotary.switch_length
+
     def prefix_cache_key(self, prompt_len: int) -> str | None:
         """What else two prompts must share for their cached K/V to be interchangeable (None: nothing)."""
         return self.rotary.prefix_cache_key(prompt_len)

@@ -4,6 +4,10 @@ Tensor names are transformers' (model.layers.N.self_attn.q_proj.weight, ...). Ph
 and gate/up fused (qkv_proj, gate_up_proj): they are taken as they are, being the same [q; k; v]
 and [gate; up] concatenations the decoder makes of the others. Gemma's norms are stored as w and
 computed as x * (1 + w): 1 + w is stored instead, so the decoder has one norm op for all families.
+A multimodal Gemma 3 (Gemma3ForConditionalGeneration) keeps its text decoder under
+language_model.model.* (language_model.lm_head.*), or model.language_model.* (lm_head.*) as newer
+transformers save it: those names are read as the text model's, and the vision tower and projector
+are left unread (the text decoder does not need them; images are refused at the request).
 """
 
 from __future__ import annotations
@@ -44,15 +48,21 @@ class _Checkpoint:
     0.1 s slower (each open parses the shard's header).
     """
 
-    def __init__(self, path: Path, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, path: Path, dtype: torch.dtype, device: torch.device, multimodal_text: bool = False) -> None:
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ModelNotFound(f"{path}: no *.safetensors files (pagedserve loads safetensors checkpoints only)")
         self._where: dict[str, Path] = {}
+        self._stored: dict[str, str] = {}  # name as the decoder asks for it -> name in the file, where they differ
         for f in files:
             with safe_open(str(f), framework="pt") as sf:
-                for name in sf.keys():
+                for stored in sf.keys():
+                    name = _text_model_name(stored) if multimodal_text else stored
+                    if name is None:
+                        continue
                     self._where[name] = f
+                    if name != stored:
+                        self._stored[name] = stored
         self._handles = {f: safe_open(str(f), framework="pt") for f in files}
         self._converting: tuple[Path, Any] | None = None
         self._converted_bytes = 0
@@ -68,6 +78,7 @@ class _Checkpoint:
         self.used.add(name)
         shard = self._where[name]
         handle = self._handles[shard]
+        name = self._stored.get(name, name)
         if self.device.type == "cpu" and _SAFETENSORS_DTYPES.get(handle.get_slice(name).get_dtype()) == self.dtype:
             return handle.get_tensor(name)
         if self._converting is None or self._converting[0] != shard or self._converted_bytes > CONVERT_HANDLE_BYTES:
@@ -108,6 +119,24 @@ def _cat_int8(parts: list[Int8Weight]) -> Int8Weight:
                       torch.cat([p.scales for p in parts], dim=1).contiguous(), parts[0].group_size)
 
 
+# Multimodal Gemma 3: text decoder prefixes (as saved by transformers <= 4.51 and 5.x, and by
+# 4.52-4.57) -> the text model's names; the vision parts are not read.
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                  ("model.language_model.", "model."), ("lm_head.", "lm_head."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _text_model_name(stored: str) -> str | None:
+    """A multimodal checkpoint's tensor name as the text decoder's, None for the vision parts;
+    any other name stays as it is (and is refused as not understood if nothing reads it)."""
+    if stored.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, text in _TEXT_PREFIXES:
+        if stored.startswith(prefix):
+            return text + stored[len(prefix):]
+    return stored
+
+
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale")
 
 
@@ -123,7 +152,7 @@ def load_decoder(path: Path, arch: ModelArch, dtype: torch.dtype, device: torch.
                  max_position: int, kernels: ModuleType, quantization: str | None = None) -> LlamaDecoder:
     """quantization: None, or "int8" (every decoder projection quantized per output channel at load;
     the LM head too where INT8_LM_HEAD)."""
-    ckpt = _Checkpoint(path, dtype, device)
+    ckpt = _Checkpoint(path, dtype, device, arch.multimodal_text)
     # The backend's packed linear layers where it has them (kernels/cpu: bf16 on AMX).
     prepack = getattr(kernels, "prepack_linear", None)
     int8 = quantization == "int8"

@@ -9,9 +9,10 @@ hosts), rounding its bf16 rows once at the end, which is what the reference does
 SDPA. Prefill chunks, with or without a sliding window, over fp32 caches (AVX-512, or AVX2 with
 FMA), and over bf16 caches on AVX-512 CPUs without bf16 dot products, go through
 paged_prefill_attention.cpp (two GEMMs and an exact softmax per block of query rows, fp32 math);
-the others keep the reference's SDPA. fp16 queries or caches keep the reference path entirely, and
-so do softcapped scores (Gemma 2; the C++ kernels have no softcap yet). The contract is the
-reference's (kernels/reference/attention.py).
+the others keep the reference's SDPA (with its explicit-score path where there is a softcap).
+Attention logit softcapping (Gemma 2: tanh(s / cap) * cap on the scaled scores, before the mask
+and the softmax) runs inside both C++ kernels, for every cache they read. fp16 queries or caches
+keep the reference path entirely. The contract is the reference's (kernels/reference/attention.py).
 """
 
 from __future__ import annotations
@@ -44,20 +45,20 @@ class _LastBatch:
 
 
 def _checked_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, max_query_len,
-                  max_seq_len, sliding_window, k_scale, v_scale) -> tuple[list[int], list[int], list[int], str]:
+                  max_seq_len, sliding_window, k_scale, v_scale, softcap) -> tuple[list[int], list[int], list[int], str]:
     """check_paged_attention_args, its batch part cached (_LastBatch); the scales (per layer) are
     checked on every call."""
     tensors = (query_start_loc, seq_lens, block_table)
     # The cache checks depend only on these properties, so another layer's cache with the same
     # ones passes them too.
-    key = (tuple(t._version for t in tensors), max_query_len, max_seq_len, sliding_window, query.shape, query.dtype,
+    key = (tuple(t._version for t in tensors), max_query_len, max_seq_len, sliding_window, softcap, query.shape, query.dtype,
            key_cache.shape, value_cache.shape, key_cache.dtype, value_cache.dtype, key_cache.is_contiguous(),
            value_cache.is_contiguous())
     last = _LastBatch.value
     if last is not None and _LastBatch.key[1:] == key and all(a is b for a, b in zip(_LastBatch.key[0], tensors)):
         return (*last[:3], scale_mode(key_cache, k_scale, v_scale))
     value = check_paged_attention_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                                       max_query_len, max_seq_len, sliding_window, k_scale, v_scale)
+                                       max_query_len, max_seq_len, sliding_window, k_scale, v_scale, softcap)
     # The tensors themselves are held, so a new tensor can never pass for one of them.
     _LastBatch.key, _LastBatch.value = (tensors, *key), value
     return value
@@ -104,16 +105,14 @@ def paged_attention(
     seq_lens: Tensor, scale: float, max_query_len: int, max_seq_len: int, sliding_window: int | None = None,
     k_scale: Tensor | None = None, v_scale: Tensor | None = None, softcap: float | None = None,
 ) -> Tensor:
-    """Same signature, contract and result as pagedserve.kernels.reference.paged_attention.
-    Attention logit softcapping (Gemma 2) takes the reference's explicit-score path."""
-    if not (query.dtype in _FP32_BF16 and key_cache.dtype in _READS_IN_PLACE and query.is_contiguous()
-            and softcap is None):
+    """Same signature, contract and result as pagedserve.kernels.reference.paged_attention."""
+    if not (query.dtype in _FP32_BF16 and key_cache.dtype in _READS_IN_PLACE and query.is_contiguous()):
         return reference.paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
                                          scale, max_query_len, max_seq_len, sliding_window, k_scale, v_scale,
                                          softcap)
     starts, lens, q_lens, mode = _checked_args(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, max_query_len, max_seq_len,
-        sliding_window, k_scale, v_scale)
+        sliding_window, k_scale, v_scale, softcap)
     out = torch.empty_like(query)
     table = None
     k_codes, v_codes = key_cache, value_cache
@@ -121,7 +120,7 @@ def paged_attention(
         table = _fp8_table(key_cache.dtype)
         k_codes, v_codes = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     load_extension().paged_decode_attention(out, query, k_codes, v_codes, block_table, query_start_loc, seq_lens,
-                                            float(scale), sliding_window or 0, k_scale, v_scale, table)
+                                            float(scale), sliding_window or 0, k_scale, v_scale, table, float(softcap or 0))
     if max_query_len <= 1:  # decode rows only: the kernel wrote them all
         return out
     # Prefill rows (left untouched by the decode kernel): through the C++ prefill kernel where it
@@ -131,9 +130,10 @@ def paged_attention(
     kernel = _prefill_kernel(query, key_cache)
     if kernel is not None:
         getattr(load_extension(), kernel)(out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                                          float(scale), sliding_window or 0)
+                                          float(scale), sliding_window or 0, float(softcap or 0))
         return out
     both_bf16 = query.dtype == key_cache.dtype == torch.bfloat16
     prefill_attention(query, key_cache, value_cache, block_table, starts, lens, q_lens, mode, scale,
-                      sliding_window, k_scale, v_scale, out, torch.bfloat16 if both_bf16 else torch.float32)
+                      sliding_window, k_scale, v_scale, out, torch.bfloat16 if both_bf16 else torch.float32,
+                      softcap=softcap)
     return out

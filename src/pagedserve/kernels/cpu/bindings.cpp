@@ -4,22 +4,26 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace pagedserve;
   m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode rows of a packed varlen batch attending over a paged KV cache (fp32, bf16, int8 or fp8 codes).",
+        "Decode rows of a packed varlen batch attending over a paged KV cache (fp32, bf16, int8 or fp8 codes); "
+        "softcap > 0: scaled scores become tanh(s / softcap) * softcap (Gemma 2).",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window"),
-        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("fp8_lut") = py::none());
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("fp8_lut") = py::none(),
+        py::arg("softcap") = 0.0);
   m.def("force_avx2_vector_code", &force_avx2_vector_code,
         "Make paged_decode_attention and silu_and_mul take their AVX2 builds wherever they run (tests); returns the "
         "previous setting.", py::arg("force"));
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "Prefill rows (q_len > 1) of a packed varlen batch attending causally over an fp32 or bf16 paged KV cache (query of the same dtype); "
-        "sliding_window > 0: a row at position p sees keys (p - sliding_window, p].",
+        "sliding_window > 0: a row at position p sees keys (p - sliding_window, p]; softcap > 0: scaled scores "
+        "become tanh(s / softcap) * softcap (Gemma 2).",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
-        py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0);
+        py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0,
+        py::arg("softcap") = 0.0);
   m.def("paged_prefill_attention_avx2", &paged_prefill_attention_avx2,
         "paged_prefill_attention on AVX2 with FMA (ymm blocks, the same sums).", py::arg("out"), py::arg("query"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"), py::arg("query_start_loc"),
-        py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0);
+        py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = weight * rms_norm(residual), in place.",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("rms_norm", &rms_norm, "weight * rms_norm(x) as a new tensor.", py::arg("x"), py::arg("weight"), py::arg("eps"));

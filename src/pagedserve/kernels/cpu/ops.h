@@ -16,7 +16,8 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
                             torch::Tensor value_cache, torch::Tensor block_table,
                             torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
                             int64_t sliding_window, c10::optional<torch::Tensor> k_scale,
-                            c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> fp8_lut);
+                            c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> fp8_lut,
+                            double softcap);
 
 // Makes paged_decode_attention and silu_and_mul take their AVX2 builds (vec_avx2.h) on any CPU
 // with AVX2 and FMA, AVX-512 ones too (for tests); returns the previous setting.
@@ -25,11 +26,11 @@ bool force_avx2_vector_code(bool force);
 // paged_prefill_attention.cpp
 void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                              torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_start_loc,
-                             torch::Tensor seq_lens, double scale, int64_t sliding_window);
+                             torch::Tensor seq_lens, double scale, int64_t sliding_window, double softcap);
 void paged_prefill_attention_avx2(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                                   torch::Tensor value_cache, torch::Tensor block_table,
                                   torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
-                                  int64_t sliding_window);
+                                  int64_t sliding_window, double softcap);
 
 // fused_ops.cpp
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);

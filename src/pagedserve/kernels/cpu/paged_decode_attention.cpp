@@ -14,6 +14,9 @@
 // On a 2-core AVX-512 Xeon without AMX, the same step took 39.2 ms until Vec16's splat, tail
 // fill and horizontal max / sum compiled to vector code (vec_avx2.h, vec.h); 31.7 ms since.
 //
+// Attention logit softcapping (Gemma 2): each chunk's scaled scores are capped (vec.h's
+// softcap_scores) before they enter the online softmax, so the running max is the capped one.
+//
 // Work items are (sequence, position range): with fewer sequences than threads x 4, long contexts
 // are split and the parts merged by log-sum-exp, so batch-1 decode uses every core. Items are
 // dealt to threads in contiguous runs of about equal cost (positions read).
@@ -39,6 +42,7 @@ struct Geometry {
   int64_t group;  // query heads per KV head
   int64_t head_dim;
   int64_t row;    // values per cache slot: num_kv_heads * head_dim
+  float softcap;  // > 0: scaled scores become tanh(s / softcap) * softcap (Gemma 2); 0: none
 };
 
 // One cache (K or V), with how to widen its values to fp32.
@@ -145,6 +149,7 @@ PAGEDSERVE_INLINE void attend_any(const float* q, const Source& k, const Source&
         for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[t * g.row + d];
         s[t] = dot * scale;
       }
+      if (g.softcap > 0.f) softcap_scores(s, n, 1.f, g.softcap);
       const float alpha = online_softmax_scalar(s, n, st.m + h, st.l + h);
       float* a = st.acc + h * D;
       for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
@@ -209,7 +214,7 @@ constexpr int64_t kChunk = 32;
 template <int64_t Kind, int64_t NP, int64_t GB, class V>
 PAGEDSERVE_INLINE void attend_heads(const float* q, const void* kr, const void* vr, const int64_t* rows, int64_t n,
                                     const int64_t* next_rows, int64_t next_n, int64_t head0, int64_t kv_offset,
-                                    float scale, float* scores, Partial st) {
+                                    float scale, float softcap, float* scores, Partial st) {
   using VO = Vec16<V>;
   constexpr int64_t D = 32 * NP, kBytes = Kind == kBFloat16 ? 2 : 4;
   V qa[GB][NP], qb[GB][NP];
@@ -242,6 +247,9 @@ PAGEDSERVE_INLINE void attend_heads(const float* q, const void* kr, const void* 
       for (int64_t g = 0; g < GB; ++g) dots[g][t] = sum[g];
     }
     for (int64_t g = 0; g < GB; ++g) VO::store(scores + g * kChunk + t0, VO::reduce(dots[g]) * scale);
+  }
+  if (softcap > 0.f) {  // before the max: the softmax below sees the capped scores
+    for (int64_t g = 0; g < GB; ++g) softcap_scores(scores + g * kChunk, n, 1.f, softcap);
   }
   float alpha[GB];
   for (int64_t g = 0; g < GB; ++g) {
@@ -336,10 +344,10 @@ PAGEDSERVE_INLINE void attend_vec(const float* q, const Source& k, const Source&
       for (int64_t h = kv * g.group, end = h + g.group; h < end;) {
         const int64_t pass = std::min(kMaxPass, end - h);
         switch (pass) {
-          case 4: attend_heads<kLoad, NP, 4, V>(q, kr, vr, rows, n, next_rows, next_n, h, kv * D, scale, scores, st); break;
-          case 3: attend_heads<kLoad, NP, 3, V>(q, kr, vr, rows, n, next_rows, next_n, h, kv * D, scale, scores, st); break;
-          case 2: attend_heads<kLoad, NP, 2, V>(q, kr, vr, rows, n, next_rows, next_n, h, kv * D, scale, scores, st); break;
-          default: attend_heads<kLoad, NP, 1, V>(q, kr, vr, rows, n, next_rows, next_n, h, kv * D, scale, scores, st); break;
+          case 4: attend_heads<kLoad, NP, 4, V>(q, kr, vr, rows, n, next_rows, next_n, h, kv * D, scale, g.softcap, scores, st); break;
+          case 3: attend_heads<kLoad, NP, 3, V>(q, kr, vr, rows, n, next_rows, next_n, h, kv * D, scale, g.softcap, scores, st); break;
+          case 2: attend_heads<kLoad, NP, 2, V>(q, kr, vr, rows, n, next_rows, next_n, h, kv * D, scale, g.softcap, scores, st); break;
+          default: attend_heads<kLoad, NP, 1, V>(q, kr, vr, rows, n, next_rows, next_n, h, kv * D, scale, g.softcap, scores, st); break;
         }
         h += pass;
       }
@@ -492,17 +500,20 @@ bool force_avx2_vector_code(bool force) {
 
 // Writes out[row] for every sequence whose query_start_loc span is exactly one row; rows of
 // longer spans (prefill chunks) are left untouched for the caller. sliding_window <= 0: none.
+// softcap > 0: scaled scores become tanh(s / softcap) * softcap before the softmax; 0: none.
 // query / out: both float32 or both bfloat16. k_scale / v_scale: undefined (None) for float
 // caches; fp8_lut: undefined unless the caches are fp8 codes viewed as uint8.
 void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                             torch::Tensor value_cache, torch::Tensor block_table,
                             torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
                             int64_t sliding_window, c10::optional<torch::Tensor> k_scale,
-                            c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> fp8_lut) {
+                            c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> fp8_lut,
+                            double softcap) {
   const bool bf16_io = query.scalar_type() == torch::kBFloat16;
   TORCH_CHECK((query.scalar_type() == torch::kFloat32 || bf16_io) && out.scalar_type() == query.scalar_type(),
               "paged_decode_attention: query and out must both be float32 or both bfloat16");
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "key and value caches differ in dtype");
+  TORCH_CHECK(softcap >= 0, "paged_decode_attention: softcap must be >= 0 (0: none), got ", softcap);
   const torch::Tensor lut = fp8_lut.value_or(torch::Tensor());
   const int64_t kind = cache_kind(key_cache, lut);
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [num_tokens, num_heads, head_dim]");
@@ -539,7 +550,8 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   const int64_t num_parts = make_items(decode_seqs, lens, sliding_window, block_size, 4 * threads, &items);
   const std::vector<int64_t> bounds = balance(items, threads);
 
-  const Geometry g{block_size, num_kv_heads, num_heads / num_kv_heads, head_dim, num_kv_heads * head_dim};
+  const Geometry g{block_size, num_kv_heads, num_heads / num_kv_heads, head_dim, num_kv_heads * head_dim,
+                   static_cast<float>(softcap)};
   static const AttendFn kernels[4][4] = {{attend_any_fp32, attend_any_bf16, attend_any_int8, attend_any_fp8},
                                          {attend64_fp32, attend64_bf16, attend64_int8, attend64_fp8},
                                          {attend128_fp32, attend128_bf16, attend128_int8, attend128_fp8},

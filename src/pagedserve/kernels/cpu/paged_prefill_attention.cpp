@@ -20,6 +20,11 @@
 // all bf16 (a block's bf16 query rows are widened into a buffer, its output rounded once at the
 // end), head_dim a multiple of 32; the Python side keeps the reference SDPA for the rest.
 //
+// Attention logit softcapping (Gemma 2): a block's visible scores are scaled and capped
+// (tanh(s * scale / cap) * cap, vec.h's softcap_scores) before the softmax, which then runs
+// unscaled. With libm's scalar tanh the cap doubled the kernel's time (a 512-token prompt at
+// Gemma 2 2B's shapes: 15.9 -> 31.6 ms); vec.h's vectorised tanh lowers the cost (docs/benchmarks.md).
+//
 // Sliding windows (Gemma 2/3, Mistral): the row at position p sees keys (p - window, p]. Only the
 // keys some row of the chunk may see are gathered (from the first row's window start, rounded down
 // to a panel), a block of rows computes scores from its first row's window start (in whole panels)
@@ -167,7 +172,8 @@ struct Avx2Math {
 // keys gathered from t0 on (gather_sequence); window 0: none.
 template <class Math, class T>
 void prefill_sequence(T* out, const T* query, const float* kt, const float* v, int64_t q0, int64_t q_len,
-                      int64_t n, int64_t t0, int64_t n_pad, int64_t window, const Shapes& s, float scale) {
+                      int64_t n, int64_t t0, int64_t n_pad, int64_t window, const Shapes& s, float scale,
+                      float softcap) {
   const int64_t D = s.dim, group = s.heads / s.kv_heads, ldq = s.heads * D, m = n_pad - t0;
   const int64_t blocks = (q_len + kBlockRows - 1) / kBlockRows, first_pos = n - q_len;
   // The first key the row at position p sees.
@@ -211,7 +217,16 @@ void prefill_sequence(T* out, const T* query, const float* kt, const float* v, i
         begin[r] = window_start(first_pos + r0 + r) - base;
         visible[r] = first_pos + r0 + r + 1 - base;
       }
-      Math::softmax(scores.data(), lds, rows, keys_pad - base, begin, visible, scale, sums);
+      float softmax_scale = scale;
+      if (softcap > 0.f) {  // Gemma 2: cap the scaled scores each row may see, then softmax them unscaled
+        for (int64_t r = 0; r < rows; ++r) {
+          float* row = scores.data() + r * lds + begin[r];
+          const int64_t count = visible[r] - begin[r];
+          softcap_scores(row, count, scale, softcap);
+        }
+        softmax_scale = 1.f;
+      }
+      Math::softmax(scores.data(), lds, rows, keys_pad - base, begin, visible, softmax_scale, sums);
       for (int64_t c = 0; c < D; c += kPanel) {
         Math::rows_block(rows, scores.data(), lds, v + (kvh * m + base - t0) * D + c, D, keys - base, o + c, ldo);
       }
@@ -238,7 +253,7 @@ void check_tensor(const torch::Tensor& t, const char* name, int64_t dim, c10::Sc
 template <class Math, class T>
 void prefill_all(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                  const torch::Tensor& value_cache, const torch::Tensor& block_table, const int32_t* starts,
-                 const int32_t* lens, int64_t B, const Shapes& s, int64_t window, float scale) {
+                 const int32_t* lens, int64_t B, const Shapes& s, int64_t window, float scale, float softcap) {
   std::vector<float> kt, v;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q0 = starts[b], q_len = starts[b + 1] - starts[b], n = lens[b];
@@ -255,7 +270,7 @@ void prefill_all(torch::Tensor& out, const torch::Tensor& query, const torch::Te
     gather_sequence(key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
                     block_table.data_ptr<int32_t>() + b * s.table_stride, t0, n, n_pad, s, kt.data(), v.data());
     prefill_sequence<Math>(out.data_ptr<T>(), query.data_ptr<T>(), kt.data(), v.data(), q0, q_len, n, t0, n_pad,
-                           window, s, scale);
+                           window, s, scale, softcap);
   }
 }
 
@@ -263,8 +278,9 @@ void prefill_all(torch::Tensor& out, const torch::Tensor& query, const torch::Te
 template <class Math>
 void prefill_attention(const char* name, torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                        torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_start_loc,
-                       torch::Tensor seq_lens, double scale, int64_t sliding_window) {
+                       torch::Tensor seq_lens, double scale, int64_t sliding_window, double softcap) {
   TORCH_CHECK(Math::available(), name, ": this CPU offers no ", Math::isa);
+  TORCH_CHECK(softcap >= 0, name, ": softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(sliding_window >= 0, name, ": sliding_window must be >= 0 (0: none), got ", sliding_window);
   const c10::ScalarType dtype = query.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16,
@@ -290,10 +306,10 @@ void prefill_attention(const char* name, torch::Tensor out, torch::Tensor query,
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   if (dtype == torch::kFloat) {
     prefill_all<Math, float>(out, query, key_cache, value_cache, block_table, starts, lens, B, s, sliding_window,
-                             static_cast<float>(scale));
+                             static_cast<float>(scale), static_cast<float>(softcap));
   } else {
     prefill_all<Math, c10::BFloat16>(out, query, key_cache, value_cache, block_table, starts, lens, B, s,
-                                     sliding_window, static_cast<float>(scale));
+                                     sliding_window, static_cast<float>(scale), static_cast<float>(softcap));
   }
 }
 #endif
@@ -302,10 +318,10 @@ void prefill_attention(const char* name, torch::Tensor out, torch::Tensor query,
 
 void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                              torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_start_loc,
-                             torch::Tensor seq_lens, double scale, int64_t sliding_window) {
+                             torch::Tensor seq_lens, double scale, int64_t sliding_window, double softcap) {
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
   prefill_attention<Avx512Math>("paged_prefill_attention", out, query, key_cache, value_cache, block_table,
-                                query_start_loc, seq_lens, scale, sliding_window);
+                                query_start_loc, seq_lens, scale, sliding_window, softcap);
 #else
   TORCH_CHECK(false, "paged_prefill_attention: this build has no x86-64 vector kernels");
 #endif
@@ -314,10 +330,10 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
 void paged_prefill_attention_avx2(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                                   torch::Tensor value_cache, torch::Tensor block_table,
                                   torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
-                                  int64_t sliding_window) {
+                                  int64_t sliding_window, double softcap) {
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
   prefill_attention<Avx2Math>("paged_prefill_attention_avx2", out, query, key_cache, value_cache, block_table,
-                              query_start_loc, seq_lens, scale, sliding_window);
+                              query_start_loc, seq_lens, scale, sliding_window, softcap);
 #else
   TORCH_CHECK(false, "paged_prefill_attention_avx2: this build has no x86-64 vector kernels");
 #endif
