@@ -192,11 +192,11 @@ def test_vllm_backends_model_json_form_and_multi_lora_json(tmp_path, adapters):
     """engine.json as vllm_backend's model.json spells LoRA ("enable_lora": "true"), multi_lora.json
     beside it with a relative path; LoRA on without the file is an error naming it."""
     (tmp_path / "engine.json").write_text(json.dumps({"model": "default", "enable_lora": "true", "max_lora_rank": 8}))
-    (tmp_path / "adapters").symlink_to(adapters["sql"].parent)
-    (tmp_path / MULTI_LORA_JSON).write_text(json.dumps({"sql": "adapters/sql"}))
+    (tmp_path / "loras").symlink_to(adapters["sql"].parent)
+    (tmp_path / MULTI_LORA_JSON).write_text(json.dumps({"sql": "loras/sql"}))
     config = load_engine_config(tmp_path / "engine.json")
     assert config.lora.enable_lora and config.lora.max_lora_rank == 8
-    assert config.lora.lora_modules == {"sql": str((tmp_path / "adapters" / "sql").resolve())}
+    assert config.lora.lora_modules == {"sql": str((tmp_path / "loras" / "sql").resolve())}
     (tmp_path / MULTI_LORA_JSON).unlink()
     with pytest.raises(ConfigError, match=MULTI_LORA_JSON):
         load_engine_config(tmp_path / "engine.json")
