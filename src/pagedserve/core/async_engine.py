@@ -154,8 +154,9 @@ class AsyncLLMEngine:
         self._tokenizer = inner.tokenizer
         cache = inner.config.cache
         self.model_info = ModelInfo(str(inner.model_path), inner.max_model_len, inner.arch.vocab_size,
-                                    inner.max_prompt_chars, bool(inner.tokenizer.chat_template), cache.block_size,
-                                    inner.num_kv_blocks, cache.kv_cache_dtype, cache.enable_prefix_caching)
+                                    inner.inputs.max_prompt_chars, bool(inner.tokenizer.chat_template),
+                                    cache.block_size, inner.num_kv_blocks, cache.kv_cache_dtype,
+                                    cache.enable_prefix_caching)
 
     # -- caller side -----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -182,7 +183,7 @@ class AsyncLLMEngine:
         try:
             token_ids = await self.tokenize(prompt)
             if params.bad_words or params.logit_bias:  # bad_words are tokenized: off the engine thread
-                params = await self._on_tokenizer_pool(self._engine.prepare_params, params)
+                params = await self._on_tokenizer_pool(self._engine.inputs.prepare_params, params)
             compiled_grammar = None
             if params.structured_output is not None:
                 # Compiled on a worker thread (cached per constraint) and awaited here, before the
@@ -292,8 +293,8 @@ class AsyncLLMEngine:
         special tokens) on the tokenizer pool, ids are range-checked. Raises RequestTooLong for a
         prompt that cannot fit max_model_len (a text one before tokenizing), InvalidRequest for
         bad ids."""
-        self._engine.check_prompt_size(prompt)  # a length: a huge prompt is refused before tokenizing
-        return await self._on_tokenizer_pool(self._engine.tokenize, prompt)
+        self._engine.inputs.check_prompt_size(prompt)  # a length: a huge prompt is refused before tokenizing
+        return await self._on_tokenizer_pool(self._engine.inputs.tokenize, prompt)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of token ids (special tokens included), e.g. one logprob entry's token."""
@@ -305,9 +306,9 @@ class AsyncLLMEngine:
         function definitions (`tools`) rendered with the model's template, on the tokenizer pool.
         Refuses, before rendering, contents longer than any prompt can be (RequestTooLong);
         InvalidRequest for malformed messages or a model without a template."""
-        self._engine.check_prompt_chars(_chat_chars(messages, tools))
-        return await self._on_tokenizer_pool(self._engine.apply_chat_template, messages, add_generation_prompt,
-                                             tools)
+        self._engine.inputs.check_prompt_chars(_chat_chars(messages, tools))
+        return await self._on_tokenizer_pool(self._engine.inputs.apply_chat_template, messages,
+                                             add_generation_prompt, tools)
 
     async def _on_tokenizer_pool(self, fn, *args):
         try:

@@ -14,14 +14,15 @@ import torch
 from pagedserve.core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pagedserve.core.cpu_threads import ThreadPlan, thread_plan
 from pagedserve.core.thread_governor import ThreadGovernor, name_compute_threads
-from pagedserve.core.errors import ConfigError, DuplicateRequest, InvalidRequest, LoRANotEnabled, RequestTooLong
+from pagedserve.core.errors import ConfigError, DuplicateRequest, InvalidRequest, LoRANotEnabled
 from pagedserve.core.kv_cache.cache_tensors import KVCacheSpec, make_kv_cache_spec
 from pagedserve.core.kv_cache.layout import make_kv_cache_layout
 from pagedserve.core.kv_cache.manager import KVCacheManager
 from pagedserve.core.kv_cache.prefix_hash import check_cache_salt
 from pagedserve.core.layers.attention import select_attention_backend
 from pagedserve.core.layers.onednn_cache import bound_onednn_caches
-from pagedserve.core.limits import WaitingQueueGuard, max_prompt_chars
+from pagedserve.core.input_processor import InputProcessor
+from pagedserve.core.limits import WaitingQueueGuard
 from pagedserve.core.lora.manager import LoRAManager, LoRAStats, lora_stats
 from pagedserve.core.lora.peft import projection_shapes
 from pagedserve.core.lora.slots import LoRASlots
@@ -138,8 +139,8 @@ class LLMEngine:
         from add_request until its last final output (core/request.py says who owns what)."""
         self.metrics = EngineMetrics()
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
-        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
-        """Text prompts longer than this cannot fit max_model_len: refused before tokenizing."""
+        self.inputs = InputProcessor(self.tokenizer, self.arch, self.max_model_len, self.model_path)
+        """Prompts and parameters checked before anything is queued (thread-safe but for check_lengths)."""
         self.queue_guard = WaitingQueueGuard(config.limits, self.metrics)
         record = config.scheduler.record_workload
         self.workload_recorder = WorkloadRecorder(record) if record else None
@@ -209,102 +210,18 @@ class LLMEngine:
         return num_blocks
 
     # -- requests --------------------------------------------------------------------------------
-    def check_prompt_chars(self, num_chars: int) -> None:
-        """Refuse a text of num_chars characters that cannot fit max_model_len, before tokenizing."""
-        if num_chars > self.max_prompt_chars:
-            raise RequestTooLong(
-                f"prompt has {num_chars} characters, more than max_model_len={self.max_model_len} tokens "
-                f"can hold (at most {self.max_prompt_chars} characters); shorten the prompt")
-
-    def check_prompt_size(self, prompt: str | Sequence[int]) -> None:
-        """Refuse, without tokenizing, a prompt that cannot fit max_model_len (cheap: a length)."""
-        if isinstance(prompt, str):
-            self.check_prompt_chars(len(prompt))
-        if isinstance(prompt, (list, tuple)) and len(prompt) >= self.max_model_len:
-            raise RequestTooLong(f"prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}; "
-                                 "shorten the prompt")
-
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a prompt (text is encoded, ids are validated). Thread-safe: AsyncLLMEngine
-        calls it off the engine thread, so a long prompt never holds up a step."""
-        self.check_prompt_size(prompt)
-        if isinstance(prompt, str):
-            return self._refuse_image_tokens(self.tokenizer.encode(prompt, add_special_tokens=True))
-        if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
-            raise InvalidRequest(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
-        ids = list(prompt)
-        vocab = self.arch.vocab_size
-        for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidRequest(f"prompt token ids: item {i} is {t!r}; token ids must be integers in [0, {vocab})")
-        return self._refuse_image_tokens(ids)
-
-    def _refuse_image_tokens(self, ids: list[int]) -> list[int]:
-        """A multimodal checkpoint served as its text decoder (Gemma3ForConditionalGeneration): its
-        image placeholder token would be embedded as a word, where the model expects image features."""
-        image = self.arch.image_token_id
-        if image is not None and image in ids:
-            raise InvalidRequest(
-                f"prompt holds token id {image}, this model's image placeholder "
-                f"({self.tokenizer.convert_ids_to_tokens(image)!r}): pagedserve serves the text decoder of "
-                f"{self.arch.architecture} and takes no images; send text only")
-        return ids
+        """Token ids of a prompt (core/input_processor.py). Thread-safe."""
+        return self.inputs.tokenize(prompt)
 
     def prepare_params(self, params: SamplingParams) -> SamplingParams:
-        """What only the engine can check or fill in a request's SamplingParams: logit_bias ids
-        inside the vocabulary, bad_words tokenized into bad_words_token_ids (vLLM's two spellings
-        of each word: as sent, and after a space). Thread-safe (AsyncLLMEngine runs it on the
-        tokenizer pool); a no-op on params that need nothing or were prepared already."""
-        vocab = self.arch.vocab_size
-        for token, _bias in params.logit_bias:
-            if token >= vocab:
-                raise InvalidRequest(f"logit_bias: token id {token} is outside the vocabulary [0, {vocab}); "
-                                     "bias ids the model's tokenizer produces", param="logit_bias")
-        if not params.bad_words or params.bad_words_token_ids:
-            return params
-        words: list[tuple[int, ...]] = []
-        for word in params.bad_words:
-            plain = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
-            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            words += [w for w in dict.fromkeys((plain, spaced)) if w]
-        return dataclasses.replace(params, bad_words_token_ids=tuple(words))
+        """logit_bias checked and bad_words tokenized (core/input_processor.py). Thread-safe."""
+        return self.inputs.prepare_params(params)
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: Sequence[dict[str, Any]] | None = None) -> str:
-        """Render chat messages ([{"role": ..., "content": ...}, ...]) with the model's template.
-        A message may carry more keys the template reads (an assistant's `tool_calls`, a tool
-        message's `tool_call_id`); `tools` (function definitions)
-        reach the template as `tools`, and templates that ignore them render as without."""
-        if not self.tokenizer.chat_template:
-            raise InvalidRequest(f"the model at {self.model_path} has no chat template; send a plain prompt")
-        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-            raise InvalidRequest("messages: expected a non-empty list of {role, content} objects")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise InvalidRequest(f"messages[{i}]: expected {{\"role\": str, \"content\": str}}, got {m!r}")
-        if tools is not None and (isinstance(tools, (str, dict)) or not all(isinstance(t, dict) for t in tools)):
-            raise InvalidRequest(f"tools: expected a list of function definitions, got {tools!r}", param="tools")
-        return self.tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
-                                                  tokenize=False, add_generation_prompt=add_generation_prompt)
-
-    def _check_lengths(self, n: int, params: SamplingParams) -> int:
-        """Validate prompt length against max_model_len and the pool; return resolved max_tokens."""
-        limit = self.max_model_len
-        if n >= limit:
-            raise RequestTooLong(f"prompt has {n} tokens but max_model_len is {limit}; shorten the prompt")
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
-        if n + max_tokens > limit:
-            raise RequestTooLong(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds max_model_len={limit}; "
-                f"lower max_tokens to at most {limit - n}"
-            )
-        cap = self.scheduler.max_fitting_tokens(n + max_tokens)
-        if cap is not None:
-            raise RequestTooLong(
-                f"prompt + max_tokens = {n + max_tokens} tokens exceeds the whole KV cache ({cap} tokens); "
-                "lower max_tokens or raise kv_cache_memory"
-            )
-        return max_tokens
+        """Chat messages rendered with the model's template (core/input_processor.py). Thread-safe."""
+        return self.inputs.apply_chat_template(messages, add_generation_prompt, tools)
 
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
                     params: SamplingParams | None = None, *, cache_salt: str | None = None,
@@ -332,11 +249,11 @@ class LLMEngine:
         if lora_name is not None and self.lora is None:
             raise LoRANotEnabled(f"lora_name={lora_name!r} but this engine serves no LoRA adapters; start it with "
                                  "--enable-lora (enable_lora: true)", param="lora_name")
-        params = self.prepare_params(params)
-        token_ids = self.tokenize(prompt)
+        params = self.inputs.prepare_params(params)
+        token_ids = self.inputs.tokenize(prompt)
         if not token_ids:
             raise InvalidRequest("prompt is empty; send at least one token")
-        max_tokens = self._check_lengths(len(token_ids), params)
+        max_tokens = self.inputs.check_lengths(len(token_ids), params, self.scheduler.max_fitting_tokens)
         backlog = self.scheduler.backlog_beyond_free_slots(params.n)  # samples that will have to wait
         if backlog is not None:
             self.queue_guard.check(*backlog, len(token_ids) * params.n)
