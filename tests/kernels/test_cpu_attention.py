@@ -16,7 +16,8 @@ import torch
 from pagedserve.core.layers.attention import select_attention_backend
 from pagedserve.kernels import cpu, reference
 from pagedserve.kernels.cpu.build import load_extension
-from pagedserve.kernels.cpu.linear import avx2_fp32_available, avx512_available, bf16_fp32_math_available
+from pagedserve.kernels.cpu.linear import (amx_available, avx2_fp32_available, avx512_available,
+                                           bf16_fp32_math_available)
 
 from tests.kernels.quant_batches import QUANT_KV_DTYPES, make_kv_batch
 from tests.kernels.test_reference_attention import MIXED, TOLERANCES, dense_attention, make_batch
@@ -147,6 +148,12 @@ def test_bf16_queries_run_through_the_kernel(specs, cache_dtype, monkeypatch):
     torch.testing.assert_close(out, ref, atol=8e-3, rtol=8e-3)
 
 
+PREFILL_KERNELS = [("avx512", torch.float32), ("avx512", torch.bfloat16), ("avx2", torch.float32),
+                   ("amx", torch.bfloat16)]
+"""The prefill kernel's entries and the dtype each is tested in: amx_prefill_attention.cpp computes
+bf16 with bf16 probabilities (as torch's bf16 flash attention does), within the same bf16 step."""
+
+
 # fp32 prefill rows over an fp32 cache go through paged_prefill_attention.cpp where the CPU has
 # AVX-512 or AVX2 (avx2: the kernel choice of a CPU without AVX-512, which every AVX-512 CPU can
 # run too), and bf16 rows over a bf16 cache where it has AVX-512 but no bf16 dot products: whole
@@ -155,7 +162,7 @@ def test_bf16_queries_run_through_the_kernel(specs, cache_dtype, monkeypatch):
 # vectors), GQA groups, head_dim 32 / 64 / 128 (the bf16 rows on every AVX-512 CPU, native bf16 or
 # not). bf16 is computed in fp32 and rounded once, as the
 # reference's SDPA does: within a bf16 step of it.
-@pytest.mark.parametrize("isa,dtype", [("avx512", torch.float32), ("avx512", torch.bfloat16), ("avx2", torch.float32)])
+@pytest.mark.parametrize("isa,dtype", PREFILL_KERNELS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size",
                          [(3, 3, 64, 16), (1, 8, 128, 16), (4, 2, 32, 32), (2, 5, 64, 7), (2, 1, 64, 1)])
@@ -180,7 +187,7 @@ def test_prefill_rows_run_through_the_prefill_kernel(specs, num_kv_heads, group,
 # 1 key, shorter and longer than a 32-key panel and than a 12-row block, 512 (Gemma 3); whole prompts
 # longer than the window, chunks after a prefix longer than the window (so its oldest keys are not
 # gathered), chunks that start inside it; Gemma 3's shape and a GQA one with odd blocks.
-@pytest.mark.parametrize("isa,dtype", [("avx512", torch.float32), ("avx512", torch.bfloat16), ("avx2", torch.float32)])
+@pytest.mark.parametrize("isa,dtype", PREFILL_KERNELS)
 @pytest.mark.parametrize("window", [1, 7, 33, 100, 512])
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size", [(1, 4, 256, 16), (2, 3, 64, 7)])
 @pytest.mark.parametrize("specs", [[(0, 700)], [(600, 300), (0, 13), (40, 1), (90, 70), (7, 2)]],
@@ -198,17 +205,21 @@ def test_prefill_kernel_sliding_windows(specs, num_kv_heads, group, head_dim, bl
 def route_prefill_rows_to_the_kernel(isa: str, dtype: torch.dtype, monkeypatch) -> tuple[list[str], str]:
     """Prefill rows through the prefill kernel's `isa` entry, the reference SDPA refused; returns the
     list its calls are recorded in and the entry's name (skips where the CPU cannot run it)."""
+    if isa == "amx" and not amx_available():
+        pytest.skip("this CPU has no AMX")
+    if isa != "amx":  # an AMX CPU routes bf16 rows to the AMX entry: test the others by hand
+        monkeypatch.setattr(cpu.attention, "amx_available", lambda: False)
     if isa == "avx512" and not avx512_available():
         pytest.skip("this CPU has no AVX-512")
     if isa == "avx2":
         if not avx2_fp32_available():
             pytest.skip("this CPU has no AVX2 with FMA (the reference SDPA runs)")
         monkeypatch.setattr(cpu.attention, "avx512_available", lambda: False)
-    if dtype == torch.bfloat16 and not bf16_fp32_math_available():
+    if dtype == torch.bfloat16 and isa != "amx" and not bf16_fp32_math_available():
         # Native bf16 CPUs route bf16 prefill rows to torch's SDPA (the test below), but they run
         # the kernel as well as any AVX-512 CPU does: test it here too, routed to it by hand.
         monkeypatch.setattr(cpu.attention, "bf16_fp32_math_available", lambda: True)
-    ext, entry = load_extension(), "paged_prefill_attention" + ("_avx2" if isa == "avx2" else "")
+    ext, entry = load_extension(), "paged_prefill_attention" + {"avx2": "_avx2", "amx": "_amx"}.get(isa, "")
     calls = []
     real_entry = getattr(ext, entry)
     monkeypatch.setattr(ext, entry, lambda *args: calls.append(entry) or real_entry(*args))
@@ -221,10 +232,15 @@ def route_prefill_rows_to_the_kernel(isa: str, dtype: torch.dtype, monkeypatch) 
 
 
 def test_bf16_prefill_rows_take_sdpa_where_bf16_is_native(monkeypatch):
-    """With bf16 dot products (AMX, AVX512-BF16) torch's bf16 SDPA beats fp32 math: it keeps them."""
-    monkeypatch.setattr(cpu.attention, "bf16_fp32_math_available", lambda: True)
+    """With bf16 dot products but no AMX (AVX512-BF16) torch's bf16 SDPA beats fp32 math: it keeps
+    them; AMX takes the AMX kernel."""
+    monkeypatch.setattr(cpu.attention, "amx_available", lambda: True)
     kernel_for = cpu.attention._prefill_kernel
-    bf16 = torch.empty(2, 3, 64, dtype=torch.bfloat16)
+    bf16, fp32 = torch.empty(2, 3, 64, dtype=torch.bfloat16), torch.empty(2, 3, 64)
+    assert kernel_for(bf16, bf16) == "paged_prefill_attention_amx"
+    assert kernel_for(bf16, fp32) is None and kernel_for(bf16[..., :48], bf16[..., :48]) is None
+    monkeypatch.setattr(cpu.attention, "amx_available", lambda: False)
+    monkeypatch.setattr(cpu.attention, "bf16_fp32_math_available", lambda: True)
     assert kernel_for(bf16, bf16) == "paged_prefill_attention"  # fp32 math on AVX-512, as patched
     monkeypatch.setattr(cpu.attention, "bf16_fp32_math_available", lambda: False)
     assert kernel_for(bf16, bf16) is None
@@ -233,6 +249,25 @@ def test_bf16_prefill_rows_take_sdpa_where_bf16_is_native(monkeypatch):
     monkeypatch.setattr(cpu.attention, "prefill_attention", lambda *a, **kw: calls.append(a[-1]) or real(*a, **kw))
     run_both(MIXED, num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
     assert calls == [torch.bfloat16]  # SDPA in bf16, once per batch with prefill rows
+
+
+def test_the_amx_prefill_kernel_rejects_what_it_cannot_read():
+    if not amx_available():
+        pytest.skip("this CPU has no AMX")
+    args, _ = make_batch([(3, 5)], num_kv_heads=2, group=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    call = load_extension().paged_prefill_attention_amx
+    out = torch.empty_like(args["query"])
+    with pytest.raises(RuntimeError, match="key_cache must be a contiguous 4-D bfloat16 tensor, got float"):
+        call(out, args["query"], args["key_cache"].float(), args["value_cache"], args["block_table"],
+             args["query_start_loc"], args["seq_lens"], 0.1)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        call(out[..., :48].contiguous(), args["query"][..., :48].contiguous(), args["key_cache"][..., :48].contiguous(),
+             args["value_cache"][..., :48].contiguous(), args["block_table"], args["query_start_loc"],
+             args["seq_lens"], 0.1)
+    too_long = args["seq_lens"] + args["block_table"].shape[1] * 16
+    with pytest.raises(RuntimeError, match="more blocks than block_table holds"):
+        call(out, args["query"], args["key_cache"], args["value_cache"], args["block_table"],
+             args["query_start_loc"], too_long, 0.1)
 
 
 @pytest.mark.parametrize("entry", ["paged_prefill_attention", "paged_prefill_attention_avx2"])

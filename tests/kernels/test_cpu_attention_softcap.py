@@ -16,7 +16,7 @@ from pagedserve.kernels import cpu, reference
 from pagedserve.kernels.cpu.build import load_extension
 
 from tests.kernels.quant_batches import QUANT_KV_DTYPES, make_kv_batch
-from tests.kernels.test_cpu_attention import (DECODES, decode_vector_code,  # noqa: F401 (autouse fixture)
+from tests.kernels.test_cpu_attention import (DECODES, PREFILL_KERNELS, decode_vector_code,  # noqa: F401 (autouse)
                                               route_prefill_rows_to_the_kernel)
 from tests.kernels.test_reference_attention import MIXED, TOLERANCES, dense_attention, make_batch
 
@@ -73,7 +73,7 @@ def test_decode_rows_capped_in_the_kernel(num_kv_heads, group, head_dim, block_s
 # Prefill rows through the prefill kernel's AVX-512 (fp32, bf16) and AVX2 entries: whole prompts
 # longer than a window, chunks after a cached prefix, 1-2 row chunks, Gemma 2 2B's head shape
 # (head_dim 256, 8 heads over 4 KV heads: 2 per KV head) and a GQA one with odd blocks.
-@pytest.mark.parametrize("isa,dtype", [("avx512", torch.float32), ("avx512", torch.bfloat16), ("avx2", torch.float32)])
+@pytest.mark.parametrize("isa,dtype", PREFILL_KERNELS)
 @pytest.mark.parametrize("window", [None, 33])
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size", [(4, 2, 256, 16), (2, 3, 64, 7)])
 @pytest.mark.parametrize("specs", [[(0, 150)], [(100, 60), (0, 13), (40, 1), (7, 2)], MIXED],

@@ -26,6 +26,7 @@
 
 #include <cstring>
 
+#include "amx.h"
 #include "huge_pages.h"
 #include "isa.h"
 #include "ops.h"
@@ -41,14 +42,6 @@ constexpr int64_t kTileElems = 512; // bf16 values in one 1 KB tile
 // Weight bytes ahead of the current slice that the first row block prefetches into L2 (software
 // prefetch into L2 measured ~5% faster than the hardware prefetchers alone on cold weights).
 constexpr int64_t kPrefetchBytes = 16384;
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Linux hands a process the AMX tile state only once it asks (arch_prctl); oneDNN asks too.
 bool request_amx_permission() {
@@ -71,17 +64,8 @@ bool cpu_has_amx_bf16() {
 #endif
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PAGEDSERVE_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
-
-PAGEDSERVE_AMX void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = kTile;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+#ifdef PAGEDSERVE_HAVE_AMX
+using amx::configure_tiles;
 
 // y[r, n0 .. n0 + 32) for the rows of one 32-row block (count rows, 1..32) from the fp32 tile
 // block c (row stride 32), plus the bias, rounded to bf16.
@@ -146,7 +130,6 @@ PAGEDSERVE_AMX void amx_groups(const uint16_t* x, const uint16_t* xt, int64_t ta
   }
   _tile_release();
 }
-#define PAGEDSERVE_HAVE_AMX 1
 #endif
 
 void check_bf16_matrix(const torch::Tensor& t, const char* name) {

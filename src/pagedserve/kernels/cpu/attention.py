@@ -24,7 +24,8 @@ from torch import Tensor
 
 from pagedserve.kernels import reference
 from pagedserve.kernels.cpu.build import load_extension
-from pagedserve.kernels.cpu.linear import avx2_fp32_available, avx512_available, bf16_fp32_math_available
+from pagedserve.kernels.cpu.linear import (amx_available, avx2_fp32_available, avx512_available,
+                                           bf16_fp32_math_available)
 from pagedserve.kernels.kv_quant import FP8_DTYPES, scale_mode
 from pagedserve.kernels.reference.attention import check_paged_attention_args, prefill_attention
 
@@ -65,11 +66,13 @@ def _checked_args(query, key_cache, value_cache, block_table, query_start_loc, s
 
 
 def _prefill_kernel(query: Tensor, key_cache: Tensor) -> str | None:
-    """The extension's entry point for these prefill rows, or None for the SDPA: fp32 on AVX-512 or
-    AVX2, bf16 on AVX-512 where the CPU has no bf16 dot products (with them, torch's bf16 SDPA is
-    the faster: 2.5-3x its fp32 on AMX)."""
+    """The extension's entry point for these prefill rows, or None for the SDPA: bf16 on AMX
+    (amx_prefill_attention.cpp), fp32 on AVX-512 or AVX2, bf16 on AVX-512 where the CPU has no bf16
+    dot products (on AVX512-BF16 without AMX, torch's bf16 SDPA is the faster)."""
     if query.shape[-1] % 32 or query.dtype != key_cache.dtype:
         return None
+    if query.dtype == torch.bfloat16 and amx_available():
+        return "paged_prefill_attention_amx"
     if query.dtype == torch.float32 and avx512_available():
         return "paged_prefill_attention"
     if query.dtype == torch.float32 and avx2_fp32_available():

@@ -24,6 +24,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged_prefill_attention on AVX2 with FMA (ymm blocks, the same sums).", py::arg("out"), py::arg("query"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"), py::arg("query_start_loc"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
+  m.def("paged_prefill_attention_amx", &paged_prefill_attention_amx,
+        "paged_prefill_attention for bf16 queries and caches on AMX (tdpbf16ps GEMMs, fp32 softmax, bf16 probabilities).",
+        py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
+        py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0,
+        py::arg("softcap") = 0.0);
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = weight * rms_norm(residual), in place.",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("rms_norm", &rms_norm, "weight * rms_norm(x) as a new tensor.", py::arg("x"), py::arg("weight"), py::arg("eps"));

@@ -31,6 +31,10 @@ void paged_prefill_attention_avx2(torch::Tensor out, torch::Tensor query, torch:
                                   torch::Tensor value_cache, torch::Tensor block_table,
                                   torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
                                   int64_t sliding_window, double softcap);
+// amx_prefill_attention.cpp: the same for bf16 queries and caches, on AMX.
+void paged_prefill_attention_amx(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                                 torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_start_loc,
+                                 torch::Tensor seq_lens, double scale, int64_t sliding_window, double softcap);
 
 // fused_ops.cpp
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
