@@ -25,8 +25,9 @@ from tests.kernels.linear_oracle import assert_bf16_rounded_once, assert_fp32_ac
 
 RUNNABLE = cpu_int8.runnable_kernels()
 needs = {k: pytest.mark.skipif(k not in RUNNABLE, reason=f"this CPU (or PAGEDSERVE_CPU_ISA) does not run {k}")
-         for k in (cpu_int8.DOT, cpu_int8.AVX2)}
+         for k in (cpu_int8.DOT, cpu_int8.AVX2, cpu_int8.AMX)}
 KERNELS = [pytest.param(cpu_int8.DOT, torch.bfloat16, marks=needs[cpu_int8.DOT], id="dot-bf16"),
+           pytest.param(cpu_int8.AMX, torch.bfloat16, marks=needs[cpu_int8.AMX], id="amx-bf16"),
            pytest.param(cpu_int8.AVX2, torch.bfloat16, marks=needs[cpu_int8.AVX2], id="avx2-bf16"),
            pytest.param(cpu_int8.AVX2, torch.float32, marks=needs[cpu_int8.AVX2], id="avx2-fp32")]
 
@@ -83,6 +84,10 @@ def test_reference_linear_is_the_dequantized_product():
                                                             (160, 1536, None), (64, 96, 32), (32, 1536, 32)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_is_the_dequantized_product(kernel, dtype, rows, out_features, in_features, group, with_bias):
+    # int8_amx_linear: per-column scales, in_features a multiple of 32 (rows below AMX_MIN_ROWS
+    # take int8_dot_linear over the same codes); the other shapes never reach it (test below).
+    if kernel == cpu_int8.AMX and (group is not None or in_features % 32):
+        pytest.skip("int8_amx_linear takes per-column scales over in_features a multiple of 32")
     if group is None:
         weight = quantize_per_channel(randn(out_features, in_features, seed=1))
     else:
@@ -94,7 +99,10 @@ def test_kernel_is_the_dequantized_product(kernel, dtype, rows, out_features, in
     got = linear(x, bias)
     assert got.shape == (rows, out_features) and got.dtype == dtype
     w = weight.dequantize(torch.float64)
-    (assert_fp32_accurate if dtype == torch.float32 else assert_bf16_rounded_once)(got, x, w, bias)
+    if dtype == torch.float32:
+        assert_fp32_accurate(got, x, w, bias)
+    else:  # an AMX tile accumulator adds every pair of k in turn, not blocks of 128
+        assert_bf16_rounded_once(got, x, w, bias, in_features + 1 if kernel == cpu_int8.AMX else None)
 
 
 @pytest.mark.parametrize("kernel,dtype", KERNELS)
@@ -104,6 +112,34 @@ def test_zero_rows_and_tied_embedding_rows(kernel, dtype):
     assert linear(torch.empty(0, 64, dtype=dtype), None).shape == (0, 96)
     ids = torch.tensor([0, 95, 31, 32, 31])
     assert torch.equal(linear.rows(ids), weight.rows(ids, dtype))
+
+
+@needs[cpu_int8.AMX]
+def test_amx_kernel_takes_per_column_scales_from_its_row_count_on():
+    """bf16 per-column int8 weights take int8_amx_linear on AMX from AMX_MIN_ROWS rows on; grouped
+    (Q8_0) scales or in_features off its 32 keep int8_dot_linear; the kernel refuses them itself."""
+    ext = cpu_int8.load_extension()
+    layer = cpu_int8.prepack_int8_linear(quantize_per_channel(randn(96, 64, seed=11)), torch.bfloat16)
+    assert layer.kernel == cpu_int8.AMX
+    assert cpu_int8.prepack_int8_linear(q8_0_weight(64, 96, seed=12), torch.bfloat16).kernel == cpu_int8.DOT
+    assert cpu_int8.prepack_int8_linear(quantize_per_channel(randn(64, 578, seed=13)), torch.bfloat16).kernel == \
+        cpu_int8.DOT
+    q = q8_0_weight(64, 96, seed=12)
+    with pytest.raises(RuntimeError, match="one scale per output column"):
+        ext.int8_amx_linear(randn(8, 96, seed=14, dtype=torch.bfloat16), ext.int8_pack_weight(q.qweight),
+                            q.scales.contiguous(), None, 64, 32)
+    calls = []
+    real = {name: getattr(ext, name) for name in (cpu_int8.AMX, cpu_int8.DOT)}
+    for name in real:
+        setattr(ext, name, lambda *a, _n=name: calls.append(_n) or real[_n](*a))
+    try:
+        layer = cpu_int8.prepack_int8_linear(quantize_per_channel(randn(96, 64, seed=11)), torch.bfloat16)
+        for rows in (1, cpu_int8.AMX_MIN_ROWS - 1, cpu_int8.AMX_MIN_ROWS, 64):
+            layer(randn(rows, 64, seed=15, dtype=torch.bfloat16), None)
+    finally:
+        for name, fn in real.items():
+            setattr(ext, name, fn)
+    assert calls == [cpu_int8.DOT, cpu_int8.DOT, cpu_int8.AMX, cpu_int8.AMX]
 
 
 def test_kernel_choice():

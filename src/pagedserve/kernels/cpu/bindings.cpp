@@ -84,6 +84,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ (q * scales)^T (+ bias) for bf16 x over int8 weights widened to bf16 pairs (vdpbf16ps) on AVX-512.",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("out_features"),
         py::arg("group_size"));
+  m.def("int8_amx_linear", &int8_amx_linear,
+        "x @ (q * scales)^T (+ bias) for bf16 x over int8 weights with per-column scales, widened to bf16 tiles on AMX.",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("out_features"),
+        py::arg("group_size"));
   m.def("int8_avx2_linear", &int8_avx2_linear,
         "x @ (q * scales)^T (+ bias) for fp32 or bf16 x over int8 weights in fp32 math on AVX2 with FMA.",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("out_features"),

@@ -3,6 +3,9 @@ of bf16's bytes, and are widened in registers.
 
 * bf16 activations on a CPU with AVX512-BF16 (Zen 4, Cooper Lake, every AMX Xeon): int8_dot_linear,
   each weight widened to bf16 and multiplied by vdpbf16ps, as the bf16 layers are (linear.py).
+  On AMX, from AMX_MIN_ROWS rows on (prefill, batched decode), per-column scales only:
+  int8_amx_linear (amx_int8_linear.cpp), each panel widened once per call into tdpbf16ps tiles;
+  both read the same packed codes, so the layer picks per call by its row count.
 * otherwise (fp32 activations, or no AVX512-BF16) on AVX2 with FMA: int8_avx2_linear, fp32 math.
 
 A shape off the kernels' blocking (out_features not a multiple of 32, odd in_features) or a CPU
@@ -23,6 +26,10 @@ from pagedserve.kernels.reference.int8_linear import Int8Weight
 
 DOT = "int8_dot_linear"
 AVX2 = "int8_avx2_linear"
+AMX = "int8_amx_linear"
+AMX_MIN_ROWS = 4
+"""Rows from which int8_amx_linear takes a call (below, the layer reads its weights once per row
+block and the vector kernel is as fast; measured in docs/benchmarks.md)."""
 PANEL = 32  # output columns per packed panel
 
 
@@ -38,7 +45,7 @@ def _runs_here(kernel: str) -> bool:
 def runnable_kernels() -> tuple[str, ...]:
     """The int8 kernels this CPU (under PAGEDSERVE_CPU_ISA's cap) runs, whether or not they are
     the one it would choose (tests reach each; int8_dot_linear without AVX512-BF16 runs an emulation)."""
-    return tuple(k for k in (DOT, AVX2) if _runs_here(k))
+    return tuple(k for k in (DOT, AVX2) if _runs_here(k)) + ((AMX,) if _runs_here(DOT) and _amx_runs_here() else ())
 
 
 def kernel_for(dtype: torch.dtype) -> str | None:
@@ -57,7 +64,14 @@ def prepack_int8_linear(weight: Int8Weight, dtype: torch.dtype) -> Callable[[Ten
     kernel = kernel_for(dtype)
     if kernel is None or weight.qweight.device.type != "cpu" or n % PANEL or k % 2 or weight.group_size % 2:
         return None
+    if kernel == DOT and weight.group_size >= k and k % 32 == 0 and _amx_runs_here():
+        kernel = AMX
     return packed_int8_linear(kernel, weight, dtype)
+
+
+def _amx_runs_here() -> bool:
+    from pagedserve.kernels.cpu.linear import amx_available  # the bf16 AMX layers' own check
+    return amx_available()
 
 
 def packed_int8_linear(kernel: str, weight: Int8Weight, dtype: torch.dtype) -> Callable[[Tensor, Tensor | None], Tensor]:
@@ -68,9 +82,11 @@ def packed_int8_linear(kernel: str, weight: Int8Weight, dtype: torch.dtype) -> C
     packed = ext.int8_pack_weight(weight.qweight.contiguous())
     scales, group = weight.scales.contiguous(), weight.group_size
     run = getattr(ext, kernel)
+    few_rows = ext.int8_dot_linear if kernel == AMX else run  # AMX: only from AMX_MIN_ROWS rows on
 
     def linear(x: Tensor, bias: Tensor | None) -> Tensor:
-        return run(x if x.is_contiguous() else x.contiguous(), packed, scales, bias, n, group)
+        x = x if x.is_contiguous() else x.contiguous()
+        return (run if x.shape[0] >= AMX_MIN_ROWS else few_rows)(x, packed, scales, bias, n, group)
 
     def rows(ids: Tensor) -> Tensor:
         """The dequantized weight's rows `ids` in the model dtype (a tied embedding's lookup), read

@@ -36,6 +36,10 @@ void paged_prefill_attention_amx(torch::Tensor out, torch::Tensor query, torch::
                                  torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_start_loc,
                                  torch::Tensor seq_lens, double scale, int64_t sliding_window, double softcap);
 
+// amx_int8_linear.cpp
+torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                              c10::optional<torch::Tensor> bias, int64_t out_features, int64_t group_size);
+
 // fused_ops.cpp
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
