@@ -4,9 +4,10 @@
 // GEMMs on tdpbf16ps.
 //
 // Why: on AMX hosts bf16 prefill went through torch's CPU flash attention, which ran a 512-token
-// SmolLM2 prompt's attention at ~0.12 TFLOP/s (1.3 ms of 30 layers' ~4 ms each: a third of the
-// prefill), and worse past a cached prefix (an explicit mask). The GEMMs here are small (16 query
-// rows by 32 keys by head_dim) and need no packing beyond the gather below.
+// SmolLM2 prompt's attention at ~0.12 TFLOP/s (1.3 ms per layer, 39 ms of a 125 ms prefill), and
+// slower past a cached prefix (an explicit mask). The GEMMs here are small (16 query rows by 32
+// keys by head_dim) and need no packing beyond the gather below; the softmax's exponentials are
+// now the larger cost (docs/benchmarks.md).
 //
 // Numerics are those of torch's bf16 flash attention: scores accumulate in fp32, the softmax runs
 // in fp32, the probabilities are rounded to bf16 for the P V product (accumulated in fp32), and
