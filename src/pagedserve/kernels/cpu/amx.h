@@ -7,6 +7,8 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 // (Every AMX CPU has AVX512-BF16 too: vcvtneps2bf16 rounds fp32 to bf16 in one instruction.)
@@ -35,6 +37,53 @@ PAGEDSERVE_AMX inline void configure_tiles() {
     cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);
+}
+
+// c (32 x 32 fp32, row stride 32) = 16 rows of x at a0, and 16 more at a1 unless it is null
+// (x_stride bytes between rows), times one 32-column group of packed weights b: per slice of 32 k,
+// two tiles (16 columns each) in the VNNI form tdpbf16ps takes. prefetch_bytes > 0: the weight
+// bytes that far ahead of each slice are prefetched into L2 (the first row block, over cold
+// weights). Tiles 0-3 accumulate, 4-5 hold x, 6-7 the weights.
+PAGEDSERVE_AMX inline void block_32x32(const uint16_t* a0, const uint16_t* a1, int64_t x_stride, const uint16_t* b,
+                                       int64_t slices, int64_t prefetch_bytes, float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < slices; ++s, b += 2 * kTileElems) {
+    if (prefetch_bytes > 0) {
+      const char* ahead = reinterpret_cast<const char*>(b) + prefetch_bytes;
+      for (int i = 0; i < 32; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T1);
+    }
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b + kTileElems, 64);
+    _tile_loadd(4, a0 + s * 32, x_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (a1 != nullptr) {
+      _tile_loadd(5, a1 + s * 32, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 32 * 4);
+  _tile_stored(1, c + kTileRows, 32 * 4);
+  if (a1 != nullptr) {
+    _tile_stored(2, c + kTileRows * 32, 32 * 4);
+    _tile_stored(3, c + kTileRows * 32 + kTileRows, 32 * 4);
+  }
+}
+
+// The rows of x [M, K] past its last whole 16-row tile, zero-padded to 16 rows (empty when M is
+// a multiple of 16), so that no tile load reads past x.
+inline std::vector<uint16_t> padded_tail(const uint16_t* x, int64_t M, int64_t K) {
+  const int64_t tail_row0 = M - M % kTileRows;
+  std::vector<uint16_t> tail;
+  if (tail_row0 < M) {
+    tail.assign(static_cast<size_t>(kTileRows * K), 0);
+    std::memcpy(tail.data(), x + tail_row0 * K, (M - tail_row0) * K * sizeof(uint16_t));
+  }
+  return tail;
 }
 
 }  // namespace amx

@@ -84,31 +84,7 @@ PAGEDSERVE_AMX void amx_int8_panels(const uint16_t* x, const uint16_t* xt, int64
     widen_panel(q + p * K * kPanel, K, tiles);
     for (int64_t r0 = 0; r0 < M; r0 += 2 * kTileRows) {
       const bool two = r0 + kTileRows < M;
-      const uint16_t* a0 = rows_at(r0);
-      const uint16_t* a1 = two ? rows_at(r0 + kTileRows) : nullptr;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t s = 0; s < slices; ++s) {
-        const uint16_t* b = tiles + s * 2 * kTileElems;
-        _tile_loadd(6, b, 64);
-        _tile_loadd(7, b + kTileElems, 64);
-        _tile_loadd(4, a0 + s * kSlice, x_stride);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (two) {
-          _tile_loadd(5, a1 + s * kSlice, x_stride);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-      }
-      _tile_stored(0, c, kPanel * 4);
-      _tile_stored(1, c + kTileRows, kPanel * 4);
-      if (two) {
-        _tile_stored(2, c + kTileRows * kPanel, kPanel * 4);
-        _tile_stored(3, c + kTileRows * kPanel + kTileRows, kPanel * 4);
-      }
+      amx::block_32x32(rows_at(r0), two ? rows_at(r0 + kTileRows) : nullptr, x_stride, tiles, slices, 0, c);
       const int64_t rows = std::min<int64_t>(2 * kTileRows, M - r0);
       write_scaled_rows(c, scales + p * kPanel, bias == nullptr ? nullptr : bias + p * kPanel,
                         y + r0 * N + p * kPanel, N, rows);
@@ -145,12 +121,8 @@ torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
   if (M == 0) return y;
 #ifdef PAGEDSERVE_HAVE_AMX
   const int64_t tail_row0 = M - M % kTileRows;
-  std::vector<uint16_t> tail;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  if (tail_row0 < M) {
-    tail.assign(static_cast<size_t>(kTileRows * K), 0);
-    std::memcpy(tail.data(), xp + tail_row0 * K, (M - tail_row0) * K * sizeof(uint16_t));
-  }
+  const std::vector<uint16_t> tail = amx::padded_tail(xp, M, K);
   const int8_t* q = packed.data_ptr<int8_t>();
   const float* sc = scales.data_ptr<float>();
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());

@@ -94,36 +94,9 @@ PAGEDSERVE_AMX void amx_groups(const uint16_t* x, const uint16_t* xt, int64_t ta
     const uint16_t* wg = w + g * slices * 2 * kTileElems;
     for (int64_t r0 = 0; r0 < M; r0 += 2 * kTile) {
       const bool two = r0 + kTile < M;
-      const uint16_t* a0 = rows_at(r0);
-      const uint16_t* a1 = two ? rows_at(r0 + kTile) : nullptr;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t s = 0; s < slices; ++s) {
-        const uint16_t* b = wg + s * 2 * kTileElems;
-        if (r0 == 0) {  // later row blocks find the group's tiles in L1/L2
-          const char* ahead = reinterpret_cast<const char*>(b) + kPrefetchBytes;
-          for (int i = 0; i < 32; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T1);
-        }
-        _tile_loadd(6, b, 64);
-        _tile_loadd(7, b + kTileElems, 64);
-        _tile_loadd(4, a0 + s * kSlice, x_stride);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (two) {
-          _tile_loadd(5, a1 + s * kSlice, x_stride);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-      }
-      // c: 32 rows x 32 columns, row stride kGroup floats.
-      _tile_stored(0, c, kGroup * 4);
-      _tile_stored(1, c + kTile, kGroup * 4);
-      if (two) {
-        _tile_stored(2, c + kTile * kGroup, kGroup * 4);
-        _tile_stored(3, c + kTile * kGroup + kTile, kGroup * 4);
-      }
+      // Later row blocks find the group's tiles in L1/L2: only the first prefetches.
+      amx::block_32x32(rows_at(r0), two ? rows_at(r0 + kTile) : nullptr, x_stride, wg, slices,
+                       r0 == 0 ? kPrefetchBytes : 0, c);
       const int64_t rows = std::min<int64_t>(2 * kTile, M - r0);
       write_rows(c, bias == nullptr ? nullptr : bias + g * kGroup, y + r0 * N + g * kGroup, N, rows);
     }
@@ -196,12 +169,8 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   // The rows of the last 16-row tile, zero-padded to 16, when M is not a multiple of 16 (no copy,
   // and no allocation on this per-projection path, when it is: rows_at never reads the tail then).
   const int64_t tail_row0 = M - M % kTile;
-  std::vector<uint16_t> tail;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  if (tail_row0 < M) {
-    tail.assign(static_cast<size_t>(kTile * K), 0);
-    std::memcpy(tail.data(), xp + tail_row0 * K, (M - tail_row0) * K * sizeof(uint16_t));
-  }
+  const std::vector<uint16_t> tail = amx::padded_tail(xp, M, K);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   at::parallel_for(0, N / kGroup, 1, [&](int64_t g0, int64_t g1) {
