@@ -12,14 +12,15 @@ from pagedserve.kernels.reference.lora import check_lora_args, lora_add, make_sl
 L, R = 4, 8
 
 
-def case(rows: int, slots: list[int], out_slices: tuple[int, ...], n_in: int, dtype: torch.dtype, seed: int = 0):
+def case(rows: int, slots: list[int], out_slices: tuple[int, ...], n_in: int, dtype: torch.dtype, seed: int = 0,
+         rank: int = R):
     g = torch.Generator().manual_seed(seed)
     parts = len(out_slices) - 1
     out = out_slices[-1]
-    a = torch.randn(L, parts * R, n_in, generator=g)
-    b = torch.zeros(L, parts * R, out)
+    a = torch.randn(L, parts * rank, n_in, generator=g)
+    b = torch.zeros(L, parts * rank, out)
     for p in range(parts):  # block diagonal, as core/lora/slots.py fills it
-        b[:, p * R:(p + 1) * R, out_slices[p]:out_slices[p + 1]] = torch.randn(L, R, out_slices[p + 1] - out_slices[p],
+        b[:, p * rank:(p + 1) * rank, out_slices[p]:out_slices[p + 1]] = torch.randn(L, rank, out_slices[p + 1] - out_slices[p],
                                                                                 generator=g)
     x = torch.randn(rows, n_in, generator=g)
     y = torch.randn(rows, out, generator=g)
@@ -88,6 +89,37 @@ def test_cpu_kernel_equals_the_reference(rows, shape, slots, dtype):
     assert torch.equal(y[token_slots == -1], expect[token_slots == -1])
 
 
+# Shapes the bf16 AMX kernel takes (amx_lora.cpp: `in` a multiple of 32, each part's rank a
+# multiple of 16), with the rank per part: outputs not a multiple of its 16-column tiles, 1-3 parts,
+# ranks of one, two and one-and-a-half 32-wide slices. Elsewhere the vector kernel runs them.
+AMX_SHAPES = [((0, 40), 64, 16), ((0, 64, 80, 96), 96, 16), ((0, 72, 150), 32, 32), ((0, 50), 64, 48)]
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 70, 300])
+@pytest.mark.parametrize("shape", AMX_SHAPES)
+@pytest.mark.parametrize("slots", SLOT_MIXES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_equals_the_reference_at_amx_shapes(rows, shape, slots, dtype):
+    """More than 16 rows of one adapter span several 16-row AMX blocks; B's zero blocks are
+    poisoned with NaN, so a kernel that reads them shows it."""
+    cpu_lora = _cpu_kernel()
+    out_slices, n_in, rank = shape
+    y, x, a, b, token_slots = case(rows, slots, out_slices, n_in, dtype, seed=rows, rank=rank)
+    expect = y.clone()
+    lora_add(expect, x, a, b, token_slots, groups_of(token_slots), out_slices)
+    parts = len(out_slices) - 1
+    for p in range(parts):
+        for q in range(parts):
+            if q != p:
+                b[:, p * rank:(p + 1) * rank, out_slices[q]:out_slices[q + 1]] = float("nan")
+    cpu_lora.lora_add(y, x, a, b, token_slots, None, out_slices)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-4)
+    else:  # the reference rounds its shrink and expand to bf16; the kernels keep fp32 until y
+        torch.testing.assert_close(y.float(), expect.float(), rtol=2e-2, atol=0.25)
+    assert torch.equal(y[token_slots == -1], expect[token_slots == -1])
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_cpu_wrapper_needs_no_groups(monkeypatch, native):
     """The runner passes groups=None where the C++ kernel runs; the wrapper's fallback (no AVX-512)
@@ -102,3 +134,48 @@ def test_cpu_wrapper_needs_no_groups(monkeypatch, native):
     cpu_lora.lora_add(y, x, a, b, token_slots, None, (0, 32, 48, 64))
     torch.testing.assert_close(y.double(), expect, rtol=1e-5, atol=1e-4)
     assert cpu_lora.lora_needs_groups() is not native
+
+
+def _triton_lora():
+    pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[dev]')")
+    from pagedserve.kernels.triton import lora as triton_lora
+
+    return triton_lora
+
+
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: TRITON_INTERPRET=1 (conftest)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33])
+@pytest.mark.parametrize("shape", SHAPES + [((0, 24, 40, 56), 100)])  # parts not aligned to the output blocks
+@pytest.mark.parametrize("slots", SLOT_MIXES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernel_equals_the_reference(rows, shape, slots, dtype):
+    """The GPU twin under the interpreter (or on a GPU): the same sums as the reference, base rows
+    untouched, B's zero blocks never needed (they are poisoned with NaN here, so a read shows)."""
+    triton_lora = _triton_lora()
+    out_slices, n_in = shape
+    y, x, a, b, token_slots = case(rows, slots, out_slices, n_in, dtype, seed=rows + 7)
+    expect = y.clone()
+    lora_add(expect, x, a, b, token_slots, groups_of(token_slots), out_slices)
+    parts = len(out_slices) - 1
+    for p in range(parts):  # the block-diagonal zeros: never read by the kernel
+        for q in range(parts):
+            if q != p:
+                b[:, p * R:(p + 1) * R, out_slices[q]:out_slices[q + 1]] = float("nan")
+    y, x, a, b, slots_t = (t.to(TRITON_DEVICE) for t in (y, x, a, b, token_slots))
+    assert triton_lora.lora_needs_groups() is False
+    triton_lora.lora_add(y, x, a, b, slots_t, None, out_slices)
+    y = y.cpu()
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-4)
+    else:  # the reference rounds its shrink to bf16 before the expand; the kernel keeps it fp32
+        torch.testing.assert_close(y.float(), expect.float(), rtol=2e-2, atol=0.25)
+    assert torch.equal(y[token_slots == -1], expect[token_slots == -1])
+
+
+def test_triton_kernel_refuses_more_parts_than_it_reads():
+    triton_lora = _triton_lora()
+    y, x, a, b, token_slots = case(3, [0], (0, 8, 16, 24, 32), 16, torch.float32)
+    with pytest.raises(ValueError, match="1-3 parts"):
+        triton_lora.lora_add(y, x, a, b, token_slots, None, (0, 8, 16, 24, 32))

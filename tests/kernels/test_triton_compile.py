@@ -23,6 +23,7 @@ ATTENTION_CASES = [(torch.bfloat16, torch.int8, 1, False, 4, True, False),
                    (torch.float16, torch.float8_e4m3fn, 2, False, 1, False, False),
                    (torch.float32, torch.float32, 0, True, 1, False, False),
                    (torch.bfloat16, torch.bfloat16, 0, False, 2, True, True)]  # Gemma 2: window and softcap
+LORA_DTYPES = [torch.float32, torch.bfloat16]
 # (cache dtype, QUANT, ROUND)
 STORE_CASES = [(torch.float8_e4m3fn, 1, False), (torch.int8, 2, False), (torch.bfloat16, 0, True)]
 
@@ -51,6 +52,7 @@ def compile_sm90(fn, pointer_types: dict[str, str], constexprs: dict[str, object
 def main() -> None:
     import pagedserve.kernels.triton.attention as attn
     import pagedserve.kernels.triton.kv_store as store
+    import pagedserve.kernels.triton.lora as lora
     from pagedserve.kernels.triton.quant import quant_constexprs
 
     for q_dtype, cache_dtype, quant, fp32_dot, splits, window, softcap in ATTENTION_CASES:
@@ -76,6 +78,13 @@ def main() -> None:
             ptx = kernel.asm["ptx"]
             assert "div.rn.f32" in ptx and "div.full.f32" not in ptx and "div.approx.f32" not in ptx
         print("compiled store", c, flush=True)
+    for dtype in LORA_DTYPES:
+        t = TL_TYPES[dtype]
+        compile_sm90(lora._lora_shrink_kernel, dict(x_ptr=t, a_ptr=t, slots_ptr="i32", shrunk_ptr="fp32"),
+                     dict(BLOCK_J=lora.BLOCK_J, BLOCK_K=lora.BLOCK_K))
+        compile_sm90(lora._lora_expand_kernel, dict(y_ptr=t, b_ptr=t, slots_ptr="i32", shrunk_ptr="fp32"),
+                     dict(R=16, BLOCK_R=16, BLOCK_O=lora.BLOCK_O))
+        print("compiled lora", t, flush=True)
 
 
 def test_kernels_compile_for_sm90():
@@ -83,7 +92,7 @@ def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    assert r.stdout.count("compiled") == len(ATTENTION_CASES) + 1 + len(STORE_CASES), r.stdout
+    assert r.stdout.count("compiled") == len(ATTENTION_CASES) + 1 + len(STORE_CASES) + len(LORA_DTYPES), r.stdout
 
 
 if __name__ == "__main__":

@@ -177,6 +177,7 @@ void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Ten
     TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, "lora_add: token_slots[", t, "]=", slots[t], " outside [-1, ",
                 num_slots, ")");
   }
+  if (lora_add_amx(y, x, lora_a, lora_b, slots, out_slices)) return;
   // A row costs ~ (in + out) * ranks multiply-adds: a few rows per task keep 2..N threads busy,
   // and enough of them that each adapter's rows come in blocks (4 per adapter).
   const int64_t grain = std::max<int64_t>(

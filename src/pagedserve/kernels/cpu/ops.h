@@ -57,6 +57,10 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 // lora.cpp: y[t] += (x[t] @ lora_a[s].T) @ lora_b[s], s = token_slots[t] >= 0 (kernels/reference/lora.py)
 void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor token_slots,
               std::vector<int64_t> out_slices);
+// amx_lora.cpp: the same for bf16 on AMX; false (nothing done) where it does not apply (not bf16,
+// no AMX, `in` not a multiple of 32, a part's rank not a multiple of 16).
+bool lora_add_amx(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& lora_a, const torch::Tensor& lora_b,
+                  const int32_t* token_slots, const std::vector<int64_t>& out_slices);
 
 // amx_linear.cpp
 bool amx_linear_available();

@@ -6,6 +6,7 @@ from pagedserve.kernels.reference.layers import add_rms_norm, rms_norm, gelu_tan
 from pagedserve.kernels.reference.sampling import argmax_rows
 from pagedserve.kernels.triton.attention import paged_attention
 from pagedserve.kernels.triton.kv_store import reshape_and_cache
+from pagedserve.kernels.triton.lora import lora_add, lora_needs_groups
 
 __all__ = ["paged_attention", "reshape_and_cache", "rms_norm", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_qkv",
-           "argmax_rows"]
+           "argmax_rows", "lora_add", "lora_needs_groups"]
