@@ -56,6 +56,19 @@ def test_silu_and_mul(dtype, n, inter):
     torch.testing.assert_close(cpu.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,inter", [(1, 2048), (17, 48), (64, 640), (5, 53), (0, 16)])
+def test_gelu_tanh_and_mul(dtype, n, inter):
+    """Gemma's MLP activation against torch's tanh GELU, over gates out to +-40 (saturated: the
+    kernel's form g / (1 + e^-z) must give g and a zero of g's sign there, never NaN)."""
+    gate_up = rows(n, 2 * inter, dtype)
+    if n:
+        gate_up[0, : min(inter, 6)] = torch.tensor([-40.0, -9.0, -3.5, 0.0, 7.5, 40.0])[: min(inter, 6)].to(dtype)
+    got = cpu.gelu_tanh_and_mul(gate_up)
+    assert got.dtype == dtype and got.shape == (n, inter)
+    torch.testing.assert_close(got, reference.gelu_tanh_and_mul(gate_up), **TOL[dtype])
+
+
 @pytest.mark.parametrize("n,inter", [(1, 1536), (17, 48), (5, 53), (3, 7), (0, 16)])
 def test_fp32_silu_and_mul_of_the_avx2_build(n, inter):
     """What CPUs with AVX2 but no AVX-512 run (8 lanes at a time, then one): the reference's result,

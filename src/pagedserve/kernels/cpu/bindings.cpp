@@ -33,6 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("rms_norm", &rms_norm, "weight * rms_norm(x) as a new tensor.", py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for gate_up = [gate | up].", py::arg("gate_up"));
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up for gate_up = [gate | up] (Gemma's MLP).",
+        py::arg("gate_up"));
   m.def("rotary_qkv", &rotary_qkv,
         "(q, k, v) from a fused qkv projection, q and k optionally head-normalised and rotated (neox).",
         py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("num_heads"),

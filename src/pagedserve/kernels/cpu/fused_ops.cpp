@@ -4,6 +4,7 @@
 //   add_rms_norm   residual += x; x = weight * rms_norm(residual)         (both in place)
 //   rms_norm       out = weight * rms_norm(x)
 //   silu_and_mul   out = silu(gate) * up for gate_up = [gate | up]
+//   gelu_tanh_and_mul  the same with torch's tanh GELU (Gemma)
 //   rotary_qkv     split a fused qkv projection into q, k, v (optionally RMS-normalising each head
 //                  of q and k, Qwen3), rotating q and k by their positions (neox halves)
 //   store_kv       key_cache[slot] = k, value_cache[slot] = v for fp32 and bf16 caches
@@ -11,7 +12,7 @@
 // Numerics follow the pure-torch code they replace (core/layers, kernels/reference), which
 // follows Hugging Face: activations in the model dtype (fp32 or bf16), reductions in fp32, and for
 // bf16 the result of every torch op rounded to bf16 where torch rounds it, so bf16 outputs equal the
-// reference's but for the order of the fp32 sum in the norm and exp's last bits in silu.
+// reference's but for the order of the fp32 sum in the norm and exp's last bits in silu and GELU.
 // Rows are split across threads with at::parallel_for.
 
 #include <ATen/Parallel.h>
@@ -143,9 +144,25 @@ PAGEDSERVE_INLINE VF exp_lanes(VF x) {
 
 PAGEDSERVE_INLINE v16sf exp16(v16sf x) { return exp_lanes<v16sf, v16si>(x); }
 
-// silu(g) = g / (1 + e^-g), rounded to the model dtype, times up (rounded again): F.silu(gate) * up.
-template <typename T>
-PAGEDSERVE_INLINE void silu_and_mul_range(const T* gate_up, T* out, int64_t r0, int64_t r1, int64_t n) {
+// The gated MLPs' activations, each g * sigmoid(z(g)) in fp32:
+// silu(g) = g / (1 + e^-g) (F.silu); gelu_tanh(g) = 0.5 g (1 + tanh(c (g + 0.044715 g^3))) (F.gelu
+// with approximate="tanh", Gemma's), written as g / (1 + e^(-2 c (g + 0.044715 g^3))), which is the
+// same function without tanh's cancellation near -1 (c = sqrt(2 / pi)). Large |g| saturate through
+// exp's clamp: g, or a zero of g's sign.
+struct Silu {
+  static PAGEDSERVE_INLINE v16sf vec(v16sf x) { return x / (1.f + exp16(-x)); }
+  static PAGEDSERVE_INLINE float one(float x) { return x / (1.f + std::exp(-x)); }
+};
+struct GeluTanh {
+  static constexpr float k1 = 1.5957691216057308f;       // 2 sqrt(2 / pi)
+  static constexpr float k3 = 1.5957691216057308f * 0.044715f;
+  static PAGEDSERVE_INLINE v16sf vec(v16sf x) { return x / (1.f + exp16(-(x * (k1 + k3 * x * x)))); }
+  static PAGEDSERVE_INLINE float one(float x) { return x / (1.f + std::exp(-(x * (k1 + k3 * x * x)))); }
+};
+
+// act(g), rounded to the model dtype, times up (rounded again): F.silu(gate) * up, or F.gelu's.
+template <class Act, typename T>
+PAGEDSERVE_INLINE void act_and_mul_range(const T* gate_up, T* out, int64_t r0, int64_t r1, int64_t n) {
   for (int64_t r = r0; r < r1; ++r) {
     const T* g = gate_up + r * 2 * n;
     const T* u = g + n;
@@ -155,22 +172,18 @@ PAGEDSERVE_INLINE void silu_and_mul_range(const T* gate_up, T* out, int64_t r0, 
       v16sf ga, gb, ua, ub;
       Io<T>::get32(g, i, ga, gb);
       Io<T>::get32(u, i, ua, ub);
-      const v16sf sa = Io<T>::round16(ga / (1.f + exp16(-ga))), sb = Io<T>::round16(gb / (1.f + exp16(-gb)));
+      const v16sf sa = Io<T>::round16(Act::vec(ga)), sb = Io<T>::round16(Act::vec(gb));
       Io<T>::put32(o, i, sa * ua, sb * ub);
     }
     for (; i + 16 <= n; i += 16) {
-      const v16sf x = Io<T>::get16(g, i);
-      Io<T>::put16(o, i, Io<T>::round16(x / (1.f + exp16(-x))) * Io<T>::get16(u, i));
+      Io<T>::put16(o, i, Io<T>::round16(Act::vec(Io<T>::get16(g, i))) * Io<T>::get16(u, i));
     }
-    for (; i < n; ++i) {
-      const float x = Io<T>::get(g, i);
-      Io<T>::put(o, i, Io<T>::round(x / (1.f + std::exp(-x))) * Io<T>::get(u, i));
-    }
+    for (; i < n; ++i) Io<T>::put(o, i, Io<T>::round(Act::one(Io<T>::get(g, i))) * Io<T>::get(u, i));
   }
 }
 
 #ifdef PAGEDSERVE_HAVE_F8X2
-// silu_and_mul_range for fp32, 8 lanes at a time: the same operations on every value (v8sf, not
+// act_and_mul_range<Silu> for fp32, 8 lanes at a time: the same operations on every value (v8sf, not
 // v16sf: vec_avx2.h says why v16sf is slow in an AVX2 build).
 __attribute__((target("arch=x86-64-v3"))) void silu_and_mul_fp32_avx2(const float* gate_up, float* out, int64_t r0,
                                                                       int64_t r1, int64_t n) {
@@ -271,8 +284,10 @@ PAGEDSERVE_MULTIVERSION void add_rms_norm_bf16(uint16_t* x, uint16_t* res, const
 PAGEDSERVE_MULTIVERSION void add_rms_norm_fp32(float* x, float* res, const float* w, int64_t r0, int64_t r1, int64_t n, float eps) { add_rms_norm_range(x, res, w, r0, r1, n, eps); }
 PAGEDSERVE_MULTIVERSION void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t r0, int64_t r1, int64_t n, float eps) { rms_norm_range(x, w, out, r0, r1, n, eps); }
 PAGEDSERVE_MULTIVERSION void rms_norm_fp32(const float* x, const float* w, float* out, int64_t r0, int64_t r1, int64_t n, float eps) { rms_norm_range(x, w, out, r0, r1, n, eps); }
-PAGEDSERVE_MULTIVERSION void silu_and_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t r0, int64_t r1, int64_t n) { silu_and_mul_range(gu, out, r0, r1, n); }
-PAGEDSERVE_MULTIVERSION void silu_and_mul_fp32(const float* gu, float* out, int64_t r0, int64_t r1, int64_t n) { silu_and_mul_range(gu, out, r0, r1, n); }
+PAGEDSERVE_MULTIVERSION void silu_and_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t r0, int64_t r1, int64_t n) { act_and_mul_range<Silu>(gu, out, r0, r1, n); }
+PAGEDSERVE_MULTIVERSION void silu_and_mul_fp32(const float* gu, float* out, int64_t r0, int64_t r1, int64_t n) { act_and_mul_range<Silu>(gu, out, r0, r1, n); }
+PAGEDSERVE_MULTIVERSION void gelu_tanh_and_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t r0, int64_t r1, int64_t n) { act_and_mul_range<GeluTanh>(gu, out, r0, r1, n); }
+PAGEDSERVE_MULTIVERSION void gelu_tanh_and_mul_fp32(const float* gu, float* out, int64_t r0, int64_t r1, int64_t n) { act_and_mul_range<GeluTanh>(gu, out, r0, r1, n); }
 PAGEDSERVE_MULTIVERSION void rotary_qkv_bf16(const uint16_t* qkv, const int64_t* pos, const uint16_t* c, const uint16_t* s, const uint16_t* qn, const uint16_t* kn, uint16_t* q, uint16_t* k, uint16_t* v, int64_t r0, int64_t r1, int64_t H, int64_t KV, int64_t D, float eps) { rotary_qkv_range(qkv, pos, c, s, qn, kn, q, k, v, r0, r1, H, KV, D, eps); }
 PAGEDSERVE_MULTIVERSION void rotary_qkv_fp32(const float* qkv, const int64_t* pos, const float* c, const float* s, const float* qn, const float* kn, float* q, float* k, float* v, int64_t r0, int64_t r1, int64_t H, int64_t KV, int64_t D, float eps) { rotary_qkv_range(qkv, pos, c, s, qn, kn, q, k, v, r0, r1, H, KV, D, eps); }
 PAGEDSERVE_MULTIVERSION void store_bf16_bf16(const uint16_t* a, uint16_t* c, const int64_t* s, int64_t r0, int64_t r1, int64_t w) { store_range(a, c, s, r0, r1, w); }
@@ -343,6 +358,18 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
     else if (use_avx2_builds()) silu_and_mul_fp32_avx2(ptr<float>(gate_up), ptr<float>(out), r0, r1, n);
 #endif
     else silu_and_mul_fp32(ptr<float>(gate_up), ptr<float>(out), r0, r1, n);
+  });
+  return out;
+}
+
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
+  check_activation(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gelu_tanh_and_mul: gate_up [rows, 2 * intermediate]");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  torch::Tensor out = torch::empty({rows, n}, gate_up.options());
+  for_rows(rows, 8, [&](int64_t r0, int64_t r1) {
+    if (is_bf16(gate_up)) gelu_tanh_and_mul_bf16(ptr<uint16_t>(gate_up), ptr<uint16_t>(out), r0, r1, n);
+    else gelu_tanh_and_mul_fp32(ptr<float>(gate_up), ptr<float>(out), r0, r1, n);
   });
   return out;
 }

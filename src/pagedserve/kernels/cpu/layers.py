@@ -13,9 +13,6 @@ from pagedserve.kernels.reference import layers as reference
 
 __all__ = ["rms_norm", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_qkv"]
 
-# Gemma's MLP activation: torch's own tanh GELU (vectorised ATen), as transformers computes it.
-gelu_tanh_and_mul = reference.gelu_tanh_and_mul
-
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -41,6 +38,14 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     if not (_fused(gate_up) and gate_up.dim() == 2):
         return reference.silu_and_mul(gate_up)
     return load_extension().silu_and_mul(gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: Tensor) -> Tensor:
+    """Gemma's MLP activation: torch's tanh GELU of the gate times up, one pass (the eager ops made
+    four passes over a [rows, 2 x 2048] bf16 tensor: 6% of Gemma 3 270M's bf16 W64)."""
+    if not (_fused(gate_up) and gate_up.dim() == 2):
+        return reference.gelu_tanh_and_mul(gate_up)
+    return load_extension().gelu_tanh_and_mul(gate_up)
 
 
 def rotary_qkv(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int,

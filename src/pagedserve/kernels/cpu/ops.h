@@ -44,6 +44,7 @@ torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up);
 std::vector<torch::Tensor> rotary_qkv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos,
                                       torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads,
                                       c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
