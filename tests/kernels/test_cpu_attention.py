@@ -251,42 +251,37 @@ def test_bf16_prefill_rows_take_sdpa_where_bf16_is_native(monkeypatch):
     assert calls == [torch.bfloat16]  # SDPA in bf16, once per batch with prefill rows
 
 
-def test_the_amx_prefill_kernel_rejects_what_it_cannot_read():
-    if not amx_available():
-        pytest.skip("this CPU has no AMX")
-    args, _ = make_batch([(3, 5)], num_kv_heads=2, group=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
-    call = load_extension().paged_prefill_attention_amx
-    out = torch.empty_like(args["query"])
-    with pytest.raises(RuntimeError, match="key_cache must be a contiguous 4-D bfloat16 tensor, got float"):
-        call(out, args["query"], args["key_cache"].float(), args["value_cache"], args["block_table"],
-             args["query_start_loc"], args["seq_lens"], 0.1)
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        call(out[..., :48].contiguous(), args["query"][..., :48].contiguous(), args["key_cache"][..., :48].contiguous(),
-             args["value_cache"][..., :48].contiguous(), args["block_table"], args["query_start_loc"],
-             args["seq_lens"], 0.1)
-    too_long = args["seq_lens"] + args["block_table"].shape[1] * 16
-    with pytest.raises(RuntimeError, match="more blocks than block_table holds"):
-        call(out, args["query"], args["key_cache"], args["value_cache"], args["block_table"],
-             args["query_start_loc"], too_long, 0.1)
+# Each prefill entry point with the dtype it reads and whether this CPU runs it; all three share
+# one argument check (kernels/cpu/prefill_args.h), named after the kernel in every message.
+PREFILL_ENTRIES = {"paged_prefill_attention": (torch.float32, avx512_available),
+                   "paged_prefill_attention_avx2": (torch.float32, avx2_fp32_available),
+                   "paged_prefill_attention_amx": (torch.bfloat16, amx_available)}
 
 
-@pytest.mark.parametrize("entry", ["paged_prefill_attention", "paged_prefill_attention_avx2"])
-def test_the_prefill_kernel_rejects_what_it_cannot_read(entry):
-    if not (avx512_available() if entry == "paged_prefill_attention" else avx2_fp32_available()):
+@pytest.mark.parametrize("entry", list(PREFILL_ENTRIES))
+def test_the_prefill_kernels_reject_what_they_cannot_read(entry):
+    dtype, runs_here = PREFILL_ENTRIES[entry]
+    if not runs_here():
         pytest.skip(f"this CPU cannot run {entry}")
-    args, _ = make_batch([(3, 5)], num_kv_heads=2, group=2, head_dim=64, block_size=16, dtype=torch.float32)
+    args, _ = make_batch([(3, 5)], num_kv_heads=2, group=2, head_dim=64, block_size=16, dtype=dtype)
     call = getattr(load_extension(), entry)
     out = torch.empty_like(args["query"])
-    with pytest.raises(RuntimeError, match="key_cache must be a contiguous 4-D float32 tensor like the query"):
-        call(out, args["query"], args["key_cache"].to(torch.bfloat16), args["value_cache"], args["block_table"],
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+    with pytest.raises(RuntimeError, match=f"{entry}: key_cache must be a contiguous 4-D {names[dtype]} tensor, "
+                                           f"got {names[other]}"):
+        call(out, args["query"], args["key_cache"].to(other), args["value_cache"], args["block_table"],
              args["query_start_loc"], args["seq_lens"], 0.1)
-    with pytest.raises(RuntimeError, match="query must be float32 or bfloat16, got float16"):
+    with pytest.raises(RuntimeError, match=f"{entry}: .*got float16"):
         call(out.half(), args["query"].half(), args["key_cache"].half(), args["value_cache"].half(),
              args["block_table"], args["query_start_loc"], args["seq_lens"], 0.1)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         call(out[..., :48].contiguous(), args["query"][..., :48].contiguous(), args["key_cache"][..., :48].contiguous(),
              args["value_cache"][..., :48].contiguous(), args["block_table"], args["query_start_loc"],
              args["seq_lens"], 0.1)
+    with pytest.raises(RuntimeError, match="contiguous int32"):
+        call(out, args["query"], args["key_cache"], args["value_cache"], args["block_table"].long(),
+             args["query_start_loc"], args["seq_lens"], 0.1)
     too_long = args["seq_lens"] + args["block_table"].shape[1] * 16
     with pytest.raises(RuntimeError, match="more blocks than block_table holds"):
         call(out, args["query"], args["key_cache"], args["value_cache"], args["block_table"],

@@ -33,6 +33,7 @@
 
 #include "amx.h"
 #include "ops.h"
+#include "prefill_args.h"
 #include "vec.h"
 
 namespace pagedserve {
@@ -45,9 +46,7 @@ using amx::kTileRows;
 constexpr int64_t kKeys = 32;  // keys per score step (two 16-key tiles) and per P V slice
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-struct Shapes {
-  int64_t heads, kv_heads, dim, block_size, table_stride;
-};
+using Shapes = PrefillShapes;
 
 // Keys and values of tokens [t0, n_pad) of one sequence (zero from n on) into the tile layouts
 // above: kb[h][key tile][dim slice], vb[h][key slice][dim tile], each tile 512 bf16.
@@ -214,11 +213,6 @@ PAGEDSERVE_AMX void attend_blocks(uint16_t* out, const uint16_t* query, const ui
   _tile_release();
 }
 
-void check_bf16(const torch::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK(t.scalar_type() == torch::kBFloat16 && t.dim() == dim && t.is_contiguous(),
-              "paged_prefill_attention_amx: ", name, " must be a contiguous ", dim, "-D bfloat16 tensor, got ",
-              dtype_name(t.scalar_type()), " ", t.sizes());
-}
 #endif
 
 }  // namespace
@@ -228,26 +222,10 @@ void paged_prefill_attention_amx(torch::Tensor out, torch::Tensor query, torch::
                                  torch::Tensor seq_lens, double scale, int64_t sliding_window, double softcap) {
 #ifdef PAGEDSERVE_HAVE_AMX
   TORCH_CHECK(amx_linear_available(), "paged_prefill_attention_amx: this CPU (or kernel) offers no AMX bf16");
-  TORCH_CHECK(softcap >= 0, "paged_prefill_attention_amx: softcap must be >= 0 (0: none), got ", softcap);
-  TORCH_CHECK(sliding_window >= 0, "paged_prefill_attention_amx: sliding_window must be >= 0 (0: none), got ",
-              sliding_window);
-  check_bf16(out, "out", 3);
-  check_bf16(query, "query", 3);
-  check_bf16(key_cache, "key_cache", 4);
-  check_bf16(value_cache, "value_cache", 4);
-  TORCH_CHECK(out.sizes() == query.sizes(), "paged_prefill_attention_amx: out must have query's shape");
-  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "paged_prefill_attention_amx: key and value caches differ");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt && block_table.dim() == 2 && block_table.is_contiguous() &&
-                  query_start_loc.scalar_type() == torch::kInt && seq_lens.scalar_type() == torch::kInt &&
-                  query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
-              "paged_prefill_attention_amx: block_table, query_start_loc and seq_lens must be contiguous int32");
-  const Shapes s{query.size(1), key_cache.size(2), query.size(2), key_cache.size(1), block_table.size(1)};
-  TORCH_CHECK(key_cache.size(3) == s.dim && s.dim % 32 == 0 && s.heads % s.kv_heads == 0,
-              "paged_prefill_attention_amx: head_dim must match the cache and be a multiple of 32, and heads a "
-              "multiple of kv heads");
+  constexpr const char* kName = "paged_prefill_attention_amx";
+  const Shapes s = check_prefill_args(kName, torch::kBFloat16, out, query, key_cache, value_cache, block_table,
+                                      query_start_loc, seq_lens, sliding_window, softcap);
   const int64_t B = seq_lens.numel();
-  TORCH_CHECK(query_start_loc.numel() == B + 1 && block_table.size(0) >= B,
-              "paged_prefill_attention_amx: one query_start_loc entry per sequence plus one, a block_table row each");
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const auto* kc = reinterpret_cast<const uint16_t*>(key_cache.data_ptr());
@@ -258,9 +236,7 @@ void paged_prefill_attention_amx(torch::Tensor out, torch::Tensor query, torch::
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q0 = starts[b], q_len = starts[b + 1] - starts[b], n = lens[b];
     if (q_len <= 1) continue;  // decode rows: paged_decode_attention's
-    TORCH_CHECK(q_len <= n && (n + s.block_size - 1) / s.block_size <= s.table_stride,
-                "paged_prefill_attention_amx: sequence ", b, " has q_len ", q_len, " > seq_len ", n,
-                " or more blocks than block_table holds");
+    check_prefill_sequence(kName, b, q_len, n, s);
     const int64_t n_pad = (n + kKeys - 1) / kKeys * kKeys;
     const int64_t t0 = sliding_window > 0 ? std::max<int64_t>(0, n - q_len - sliding_window + 1) / kKeys * kKeys : 0;
     kb.resize(static_cast<size_t>(s.kv_heads * (n_pad - t0) * s.dim));

@@ -39,6 +39,7 @@
 
 #include "fp32_gemm.h"
 #include "ops.h"
+#include "prefill_args.h"
 #include "vec.h"
 #include "vec_avx2.h"
 
@@ -51,9 +52,7 @@ using fp32_gemm::kPanel;
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-struct Shapes {
-  int64_t heads, kv_heads, dim, block_size, table_stride;
-};
+using Shapes = PrefillShapes;
 
 // Keys and values of tokens [t0, n) of one sequence (t0 a multiple of 32), per kv head, in fp32 in
 // the layouts the GEMMs read, m = n_pad - t0 tokens from t0 on: kt[h][p][d][c] = K[t0 + 32p + c][h][d]
@@ -242,25 +241,17 @@ void prefill_sequence(T* out, const T* query, const float* kt, const float* v, i
 }
 #endif
 
-void check_tensor(const torch::Tensor& t, const char* name, int64_t dim, c10::ScalarType dtype) {
-  TORCH_CHECK(t.scalar_type() == dtype && t.dim() == dim && t.is_contiguous(), "paged_prefill_attention: ", name,
-              " must be a contiguous ", dim, "-D ", dtype_name(dtype), " tensor like the query, got ",
-              dtype_name(t.scalar_type()), " ", t.sizes());
-}
-
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
 // Every sequence with more than one query row, one after the other (threads split each one's work).
 template <class Math, class T>
-void prefill_all(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+void prefill_all(const char* name, torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                  const torch::Tensor& value_cache, const torch::Tensor& block_table, const int32_t* starts,
                  const int32_t* lens, int64_t B, const Shapes& s, int64_t window, float scale, float softcap) {
   std::vector<float> kt, v;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q0 = starts[b], q_len = starts[b + 1] - starts[b], n = lens[b];
     if (q_len <= 1) continue;  // decode rows: paged_decode_attention's
-    TORCH_CHECK(q_len <= n && (n + s.block_size - 1) / s.block_size <= s.table_stride,
-                "paged_prefill_attention: sequence ", b, " has q_len ", q_len, " > seq_len ", n,
-                " or more blocks than block_table holds");
+    check_prefill_sequence(name, b, q_len, n, s);
     const int64_t n_pad = (n + kPanel - 1) / kPanel * kPanel;
     // The first key any row may see, rounded down to a panel: with a window, a long sequence's
     // older keys are not gathered at all.
@@ -280,35 +271,19 @@ void prefill_attention(const char* name, torch::Tensor out, torch::Tensor query,
                        torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_start_loc,
                        torch::Tensor seq_lens, double scale, int64_t sliding_window, double softcap) {
   TORCH_CHECK(Math::available(), name, ": this CPU offers no ", Math::isa);
-  TORCH_CHECK(softcap >= 0, name, ": softcap must be >= 0 (0: none), got ", softcap);
-  TORCH_CHECK(sliding_window >= 0, name, ": sliding_window must be >= 0 (0: none), got ", sliding_window);
   const c10::ScalarType dtype = query.scalar_type();
-  TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16,
-              "paged_prefill_attention: query must be float32 or bfloat16, got ", dtype_name(dtype));
-  check_tensor(out, "out", 3, dtype);
-  check_tensor(query, "query", 3, dtype);
-  check_tensor(key_cache, "key_cache", 4, dtype);
-  check_tensor(value_cache, "value_cache", 4, dtype);
-  TORCH_CHECK(out.sizes() == query.sizes(), "paged_prefill_attention: out must have query's shape");
-  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "paged_prefill_attention: key and value caches differ");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt && block_table.dim() == 2 && block_table.is_contiguous() &&
-                  query_start_loc.scalar_type() == torch::kInt && seq_lens.scalar_type() == torch::kInt &&
-                  query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
-              "paged_prefill_attention: block_table, query_start_loc and seq_lens must be contiguous int32");
-  const Shapes s{query.size(1), key_cache.size(2), query.size(2), key_cache.size(1), block_table.size(1)};
-  TORCH_CHECK(key_cache.size(3) == s.dim && s.dim % 32 == 0 && s.heads % s.kv_heads == 0,
-              "paged_prefill_attention: head_dim must match the cache and be a multiple of 32, and heads a "
-              "multiple of kv heads");
+  TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, name, ": query must be float32 or bfloat16, got ",
+              dtype_name(dtype));
+  const Shapes s = check_prefill_args(name, dtype, out, query, key_cache, value_cache, block_table, query_start_loc,
+                                      seq_lens, sliding_window, softcap);
   const int64_t B = seq_lens.numel();
-  TORCH_CHECK(query_start_loc.numel() == B + 1 && block_table.size(0) >= B,
-              "paged_prefill_attention: one query_start_loc entry per sequence plus one, a block_table row each");
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   if (dtype == torch::kFloat) {
-    prefill_all<Math, float>(out, query, key_cache, value_cache, block_table, starts, lens, B, s, sliding_window,
+    prefill_all<Math, float>(name, out, query, key_cache, value_cache, block_table, starts, lens, B, s, sliding_window,
                              static_cast<float>(scale), static_cast<float>(softcap));
   } else {
-    prefill_all<Math, c10::BFloat16>(out, query, key_cache, value_cache, block_table, starts, lens, B, s,
+    prefill_all<Math, c10::BFloat16>(name, out, query, key_cache, value_cache, block_table, starts, lens, B, s,
                                      sliding_window, static_cast<float>(scale), static_cast<float>(softcap));
   }
 }
