@@ -3,7 +3,8 @@
 // multiply-adds an instruction; on SmolLM2 with 4 rank-16 adapters that was a fifth of a bf16 step,
 // most of it in prefill, where an adapter has hundreds of rows. Here one tdpbf16ps does 8,192.
 //
-// Work items are (adapter slot, block of up to 16 of its rows), split across threads. Per item:
+// Work items are (adapter slot, up to four 16-row blocks of its rows), split across threads. Per
+// item and block:
 // * the rows of x are transposed into tdpbf16ps's B form (one 1 KB tile per 32-wide slice of `in`:
 //   tile row kp, column t holds the pair x[row t][k0 + 2kp .. k0 + 2kp + 1]), read with one gather
 //   per pair of `in`;
@@ -71,8 +72,8 @@ PAGEDSERVE_AMX void shrink(const uint16_t* a, int64_t n_in, int64_t ranks, const
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t s = 0; s < slices; ++s) {
+      // Tile numbers must be compile-time constants: one written-out case per block.
       _tile_loadd(4, a + j0 * n_in + s * 32, n_in * 2);
-      // (tile numbers must be constants: one case per block)
       _tile_loadd(6, xt + s * 256, 64);
       _tile_dpbf16ps(0, 4, 6);
       if (nb > 1) { _tile_loadd(7, xt + xt_size + s * 256, 64); _tile_dpbf16ps(1, 4, 7); }

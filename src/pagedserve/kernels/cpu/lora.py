@@ -1,7 +1,9 @@
 """Multi-LoRA's lora_add through the C++ kernel (lora.cpp) on CPUs with AVX-512: one call per
-projection instead of the reference's five ops, and B's block-diagonal zeros skipped. Same
-contract as pagedserve.kernels.reference.lora.lora_add (fp32 equal up to the order of the sums;
-bf16 keeps the shrink in fp32 where the reference rounds it). Elsewhere: the reference."""
+projection instead of the reference's five ops, and B's block-diagonal zeros skipped; bf16 on AMX
+takes tile instructions (amx_lora.cpp) where `in` is a multiple of 32 and each part's rank of 16.
+Same contract as pagedserve.kernels.reference.lora.lora_add (fp32 equal up to the order of the
+sums; bf16 rounds once at the end where the reference rounds each op, and the vector kernel keeps
+the shrink in fp32). Elsewhere: the reference."""
 
 from __future__ import annotations
 
