@@ -46,6 +46,26 @@ def groups_of(token_slots):
     return make_slot_groups(token_slots, present, L, torch.float32)
 
 
+def poison_zero_blocks(b, out_slices: tuple[int, ...], rank: int) -> None:
+    """NaN in B's block-diagonal zeros (part p's ranks times another part's outputs), which a
+    kernel must never read: a read shows as NaN in y."""
+    parts = len(out_slices) - 1
+    for p in range(parts):
+        for q in range(parts):
+            if q != p:
+                b[:, p * rank:(p + 1) * rank, out_slices[q]:out_slices[q + 1]] = float("nan")
+
+
+def assert_matches_reference(y, expect, token_slots, dtype) -> None:
+    """fp32: equal up to the order of the sums. bf16: the reference rounds its shrink (and each op)
+    to bf16, the kernels keep fp32 longer. Base rows (-1) exactly as they were."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-4)
+    else:
+        torch.testing.assert_close(y.float(), expect.float(), rtol=2e-2, atol=0.25)
+    assert torch.equal(y[token_slots == -1], expect[token_slots == -1])
+
+
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("slots", SLOT_MIXES)
@@ -82,11 +102,7 @@ def test_cpu_kernel_equals_the_reference(rows, shape, slots, dtype):
     expect = y.clone()
     lora_add(expect, x, a, b, token_slots, groups_of(token_slots), out_slices)
     cpu_lora.lora_add(y, x, a, b, token_slots, groups_of(token_slots), out_slices)
-    if dtype == torch.float32:
-        torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-4)
-    else:  # the reference rounds its shrink to bf16 before the expand; C++ keeps it fp32
-        torch.testing.assert_close(y.float(), expect.float(), rtol=2e-2, atol=0.25)
-    assert torch.equal(y[token_slots == -1], expect[token_slots == -1])
+    assert_matches_reference(y, expect, token_slots, dtype)
 
 
 # Shapes the bf16 AMX kernel takes (amx_lora.cpp: `in` a multiple of 32, each part's rank a
@@ -107,17 +123,9 @@ def test_cpu_kernel_equals_the_reference_at_amx_shapes(rows, shape, slots, dtype
     y, x, a, b, token_slots = case(rows, slots, out_slices, n_in, dtype, seed=rows, rank=rank)
     expect = y.clone()
     lora_add(expect, x, a, b, token_slots, groups_of(token_slots), out_slices)
-    parts = len(out_slices) - 1
-    for p in range(parts):
-        for q in range(parts):
-            if q != p:
-                b[:, p * rank:(p + 1) * rank, out_slices[q]:out_slices[q + 1]] = float("nan")
+    poison_zero_blocks(b, out_slices, rank)
     cpu_lora.lora_add(y, x, a, b, token_slots, None, out_slices)
-    if dtype == torch.float32:
-        torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-4)
-    else:  # the reference rounds its shrink and expand to bf16; the kernels keep fp32 until y
-        torch.testing.assert_close(y.float(), expect.float(), rtol=2e-2, atol=0.25)
-    assert torch.equal(y[token_slots == -1], expect[token_slots == -1])
+    assert_matches_reference(y, expect, token_slots, dtype)
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -158,20 +166,11 @@ def test_triton_kernel_equals_the_reference(rows, shape, slots, dtype):
     y, x, a, b, token_slots = case(rows, slots, out_slices, n_in, dtype, seed=rows + 7)
     expect = y.clone()
     lora_add(expect, x, a, b, token_slots, groups_of(token_slots), out_slices)
-    parts = len(out_slices) - 1
-    for p in range(parts):  # the block-diagonal zeros: never read by the kernel
-        for q in range(parts):
-            if q != p:
-                b[:, p * R:(p + 1) * R, out_slices[q]:out_slices[q + 1]] = float("nan")
+    poison_zero_blocks(b, out_slices, R)
     y, x, a, b, slots_t = (t.to(TRITON_DEVICE) for t in (y, x, a, b, token_slots))
     assert triton_lora.lora_needs_groups() is False
     triton_lora.lora_add(y, x, a, b, slots_t, None, out_slices)
-    y = y.cpu()
-    if dtype == torch.float32:
-        torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-4)
-    else:  # the reference rounds its shrink to bf16 before the expand; the kernel keeps it fp32
-        torch.testing.assert_close(y.float(), expect.float(), rtol=2e-2, atol=0.25)
-    assert torch.equal(y[token_slots == -1], expect[token_slots == -1])
+    assert_matches_reference(y.cpu(), expect, token_slots, dtype)
 
 
 def test_triton_kernel_refuses_more_parts_than_it_reads():

@@ -313,6 +313,13 @@ T* ptr(const torch::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
 }
 
+// A gated activation's checks of gate_up = [gate | up] ([rows, 2 n]) and its output [rows, n].
+torch::Tensor gated_output(const torch::Tensor& gate_up, const char* op) {
+  check_activation(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, op, ": gate_up [rows, 2 * intermediate]");
+  return torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+}
+
 // Rows split across threads in runs of at least `grain`.
 template <typename F>
 void for_rows(int64_t rows, int64_t grain, const F& f) {
@@ -348,11 +355,9 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
-  check_activation(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_and_mul: gate_up [rows, 2 * intermediate]");
-  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
-  torch::Tensor out = torch::empty({rows, n}, gate_up.options());
-  for_rows(rows, 8, [&](int64_t r0, int64_t r1) {
+  torch::Tensor out = gated_output(gate_up, "silu_and_mul");
+  const int64_t n = out.size(1);
+  for_rows(out.size(0), 8, [&](int64_t r0, int64_t r1) {
     if (is_bf16(gate_up)) silu_and_mul_bf16(ptr<uint16_t>(gate_up), ptr<uint16_t>(out), r0, r1, n);
 #ifdef PAGEDSERVE_HAVE_F8X2
     else if (use_avx2_builds()) silu_and_mul_fp32_avx2(ptr<float>(gate_up), ptr<float>(out), r0, r1, n);
@@ -363,11 +368,9 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 }
 
 torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
-  check_activation(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gelu_tanh_and_mul: gate_up [rows, 2 * intermediate]");
-  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
-  torch::Tensor out = torch::empty({rows, n}, gate_up.options());
-  for_rows(rows, 8, [&](int64_t r0, int64_t r1) {
+  torch::Tensor out = gated_output(gate_up, "gelu_tanh_and_mul");
+  const int64_t n = out.size(1);
+  for_rows(out.size(0), 8, [&](int64_t r0, int64_t r1) {
     if (is_bf16(gate_up)) gelu_tanh_and_mul_bf16(ptr<uint16_t>(gate_up), ptr<uint16_t>(out), r0, r1, n);
     else gelu_tanh_and_mul_fp32(ptr<float>(gate_up), ptr<float>(out), r0, r1, n);
   });
