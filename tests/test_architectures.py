@@ -132,3 +132,25 @@ def test_gemma2_softcaps_cap(tiny_model_dir, family):
     want = capped.topk(5)
     assert [t for t, _ in top] == want.indices.tolist()
     torch.testing.assert_close(torch.tensor([lp for _, lp in top]), want.values, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "phi3"])
+def test_reused_logits_buffer_stays_exact(tiny_model_dir, family, monkeypatch):
+    """The LM head writes large logits into one buffer kept from step to step (llama.py,
+    REUSED_LOGITS_MIN_BYTES: Gemma 3's vocabulary). Forced on for a tiny model's small logits,
+    with requests joining and leaving so the rows per step change: the same greedy tokens as
+    transformers, and the buffer was in use (kept, grown to the most rows a step had)."""
+    from pagedserve.core.models import llama
+
+    monkeypatch.setattr(llama, "REUSED_LOGITS_MIN_BYTES", 0)
+    path = tiny_model_dir(family)
+    engine = make_engine(path, family, attention_backend="cpu", max_num_batched_tokens=40)
+    prompts = random_prompts(5, 3, 60, seed=7)
+    lengths = [MAX_NEW, 5, 17, 9, MAX_NEW]
+    results = engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                                        for n in lengths])
+    for prompt, res, n in zip(prompts, results, lengths):
+        assert list(res.token_ids) == oracle(path, family, prompt, n), f"prompt of {len(prompt)} tokens"
+    kept = engine.runner.model._logits
+    assert kept is not None and kept.shape[0] >= 2
+    assert_all_free(engine)

@@ -126,6 +126,58 @@ def test_non_finite_inputs_give_what_the_exact_product_gives(kernel, dtype):
     assert torch.equal(got.isneginf(), want.isneginf()) and got[0].isnan().all() and got[1, 3] == float("inf")
 
 
+needs_amx = pytest.mark.skipif(not cpu_linear.amx_available(), reason="this CPU has no AMX bf16")
+
+
+@pytest.mark.parametrize("kernel,dtype", [*KERNELS, pytest.param(AMX_BF16, torch.bfloat16, marks=needs_amx, id="amx")])
+@pytest.mark.parametrize("rows", [1, 13, 64, 97])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp32_out_is_the_layers_result_widened(kernel, dtype, rows, with_bias):
+    """fp32_out (the LM head's logits, Linear.float_out): a bf16 layer's results rounded to bf16
+    as ever, returned as fp32 (bit for bit what .float() of the bf16 result gives, non-finite
+    values included); an fp32 layer's results unchanged. Each output's value is checked by the
+    tests above against the exact product."""
+    w, x = randn(2048, 64, seed=17, dtype=dtype), randn(rows, 64, seed=18, dtype=dtype)
+    x[0, 3] = float("nan")
+    if rows > 1:
+        x[1, 5] = float("inf")
+    bias = randn(2048, seed=19, dtype=dtype) if with_bias else None
+    linear = packed_linear(kernel, w)
+    widened = linear(x, bias, fp32_out=True)
+    assert widened.dtype == torch.float32 and widened.shape == (rows, 2048)
+    plain = linear(x, bias).float()
+    assert torch.equal(widened.isnan(), plain.isnan()) and plain[0].isnan().all()
+    assert torch.equal(widened.nan_to_num(), plain.nan_to_num())
+    assert linear(x[:0], bias, fp32_out=True).dtype == torch.float32
+    layer = Linear(w, bias, prepack=lambda weight: packed_linear(kernel, weight))
+    assert torch.equal(layer.float_out(x[1:]), plain[1:])
+
+
+@pytest.mark.parametrize("kernel,dtype", [*KERNELS, pytest.param(AMX_BF16, torch.bfloat16, marks=needs_amx, id="amx")])
+def test_out_is_written_and_returned(kernel, dtype):
+    """out: the result written into the caller's tensor (the LM head's reused logits buffer) and
+    returned, equal to a fresh call's; a wrong dtype or shape is refused by name."""
+    w, x = randn(256, 64, seed=22, dtype=dtype), randn(9, 64, seed=23, dtype=dtype)
+    linear = packed_linear(kernel, w)
+    out = torch.full((9, 256), float("nan"))
+    got = linear(x, None, fp32_out=True, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out, linear(x, None).float())
+    if dtype == torch.bfloat16:
+        plain = torch.empty(9, 256, dtype=dtype)
+        assert linear(x, None, out=plain).data_ptr() == plain.data_ptr() and torch.equal(plain, linear(x, None))
+    for bad in (torch.empty(9, 256, dtype=torch.float64), torch.empty(8, 256), torch.empty(256, 9).t()):
+        with pytest.raises(RuntimeError, match="out must be a contiguous"):
+            linear(x, None, fp32_out=True, out=bad)
+
+
+def test_float_out_falls_back_to_float_where_the_kernel_cannot_widen():
+    """Linear.float_out on a layer without a packed kernel (torch's matmul here) is self(x).float()."""
+    w, x = randn(64, 7, seed=20, dtype=torch.bfloat16), randn(3, 7, seed=21, dtype=torch.bfloat16)
+    layer = Linear(w, pack=False)
+    got = layer.float_out(x)
+    assert got.dtype == torch.float32 and torch.equal(got, layer(x).float())
+
+
 @needs_avx2
 @pytest.mark.parametrize("avx512", [True, False])
 def test_fp32_takes_avx2_where_there_is_no_avx512(monkeypatch, avx512):

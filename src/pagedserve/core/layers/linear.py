@@ -97,3 +97,12 @@ class Linear:
         if self.packed is not None:  # no rows: oneDNN refuses empty inputs
             return x.new_empty((0, self.out_features))
         return F.linear(x, self.weight, self.bias)
+
+    def float_out(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """self(x).float(): a bf16 layer's results as ever (rounded to bf16, as transformers' and
+        vLLM's logits are), in float32. A kernel that can store them widened does so in the same
+        pass (kernels/cpu/linear.py), into `out` (float32 [rows, out_features], contiguous) when
+        given; other paths return a new tensor."""
+        if self.kernel is not None and getattr(self.kernel, "fp32_out", False):
+            return self.kernel(x, self.bias, fp32_out=True, out=out)
+        return self(x).float()

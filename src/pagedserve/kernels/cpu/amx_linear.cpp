@@ -17,7 +17,8 @@
 // group's two column tiles), tmm4/5 hold x's rows, tmm6/7 the weight tiles. Rows are taken 32 at
 // a time; a last partial 16-row tile is read from a zero-padded copy, so no tile reads past x.
 // Results are rounded once to bf16 (round to nearest even), as oneDNN's bf16 matmul does, after
-// adding the bias in fp32. Groups are split across threads; each thread configures its tiles.
+// adding the bias in fp32; with fp32_out they are stored widened back to fp32: the values .float()
+// of the bf16 result gives, without that second pass over the output (the LM head's logits). Groups are split across threads; each thread configures its tiles.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -68,21 +69,28 @@ bool cpu_has_amx_bf16() {
 using amx::configure_tiles;
 
 // y[r, n0 .. n0 + 32) for the rows of one 32-row block (count rows, 1..32) from the fp32 tile
-// block c (row stride 32), plus the bias, rounded to bf16.
-PAGEDSERVE_AMX void write_rows(const float* c, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t rows) {
+// block c (row stride 32), plus the bias, rounded to bf16: stored as bf16 (y), or widened back to
+// fp32 (y32, when not null).
+PAGEDSERVE_AMX void write_rows(const float* c, const uint16_t* bias, uint16_t* y, float* y32, int64_t ldy,
+                               int64_t rows) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t h = 0; h < kGroup; h += 16) {
       v16sf v = loadv<v16sf>(c + r * kGroup + h);
       if (bias != nullptr) v += bf16x16_to_float(bias + h);
-      float_to_bf16x16(v, y + r * ldy + h);
+      if (y32 != nullptr) {
+        storev(y32 + r * ldy + h, round_to_bf16x16(v));
+      } else {
+        float_to_bf16x16(v, y + r * ldy + h);
+      }
     }
   }
 }
 
-// Groups [g0, g1) of y = x @ W^T for x [M, K] (rows padded: xt holds the last partial tile).
+// Groups [g0, g1) of y = x @ W^T for x [M, K] (rows padded: xt holds the last partial tile), into
+// y (bf16) or, when y32 is not null, into y32 (the same values widened to fp32).
 PAGEDSERVE_AMX void amx_groups(const uint16_t* x, const uint16_t* xt, int64_t tail_row0, const uint16_t* w,
-                               const uint16_t* bias, uint16_t* y, int64_t M, int64_t K, int64_t N, int64_t g0,
-                               int64_t g1) {
+                               const uint16_t* bias, uint16_t* y, float* y32, int64_t M, int64_t K, int64_t N,
+                               int64_t g0, int64_t g1) {
   configure_tiles();
   alignas(64) float c[2 * kTile * kGroup];
   const int64_t slices = K / kSlice;
@@ -98,7 +106,9 @@ PAGEDSERVE_AMX void amx_groups(const uint16_t* x, const uint16_t* xt, int64_t ta
       amx::block_32x32(rows_at(r0), two ? rows_at(r0 + kTile) : nullptr, x_stride, wg, slices,
                        r0 == 0 ? kPrefetchBytes : 0, c);
       const int64_t rows = std::min<int64_t>(2 * kTile, M - r0);
-      write_rows(c, bias == nullptr ? nullptr : bias + g * kGroup, y + r0 * N + g * kGroup, N, rows);
+      const int64_t at = r0 * N + g * kGroup;
+      write_rows(c, bias == nullptr ? nullptr : bias + g * kGroup, y32 == nullptr ? y + at : nullptr,
+                 y32 == nullptr ? nullptr : y32 + at, N, rows);
     }
   }
   _tile_release();
@@ -150,7 +160,7 @@ torch::Tensor amx_pack_weight(torch::Tensor weight) {
 }
 
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                         int64_t out_features) {
+                         int64_t out_features, bool fp32_out, c10::optional<torch::Tensor> out) {
   check_bf16_matrix(x, "x");
   TORCH_CHECK(amx_linear_available(), "amx_linear: this CPU (or kernel) offers no AMX bf16");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
@@ -163,7 +173,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
                 "amx_linear: bias must be contiguous bfloat16 [out_features]");
     b = reinterpret_cast<const uint16_t*>(bias->data_ptr());
   }
-  torch::Tensor y = torch::empty({M, N}, x.options());
+  torch::Tensor y = output_for(x, N, fp32_out ? torch::kFloat : torch::kBFloat16, out, "amx_linear");
   if (M == 0) return y;
 #ifdef PAGEDSERVE_HAVE_AMX
   // The rows of the last 16-row tile, zero-padded to 16, when M is not a multiple of 16 (no copy,
@@ -172,9 +182,10 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const std::vector<uint16_t> tail = amx::padded_tail(xp, M, K);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  uint16_t* yp = fp32_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr());
+  float* y32 = fp32_out ? y.data_ptr<float>() : nullptr;
   at::parallel_for(0, N / kGroup, 1, [&](int64_t g0, int64_t g1) {
-    amx_groups(xp, tail.data(), tail_row0, w, b, yp, M, K, N, g0, g1);
+    amx_groups(xp, tail.data(), tail_row0, w, b, yp, y32, M, K, N, g0, g1);
   });
 #endif
   return y;

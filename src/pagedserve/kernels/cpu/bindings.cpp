@@ -51,7 +51,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_pack_weight", &amx_pack_weight, "A bf16 [out, in] weight in amx_linear's tile layout.",
         py::arg("weight"));
   m.def("amx_linear", &amx_linear, "x @ weight.T (+ bias) in bf16 on AMX, weight from amx_pack_weight.",
-        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"),
+        py::arg("fp32_out") = false, py::arg("out") = py::none());
   m.def("amx_packed_rows", &amx_packed_rows, "Rows ids of the weight amx_pack_weight packed ([len(ids), in]).",
         py::arg("packed"), py::arg("ids"), py::arg("in_features"));
   m.def("avx512_kernels_available", &avx512_kernels_available,
@@ -62,20 +63,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp32_pack_weight", &fp32_pack_weight, "An fp32 [out, in] weight in fp32_linear's panel layout.",
         py::arg("weight"));
   m.def("fp32_linear", &fp32_linear, "x @ weight.T (+ bias) in fp32 on AVX-512, weight from fp32_pack_weight.",
-        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"),
+        py::arg("out") = py::none());
   m.def("avx2_fp32_linear", &avx2_fp32_linear,
         "fp32_linear on AVX2 with FMA (ymm blocks, the same sums), weight from fp32_pack_weight.", py::arg("x"),
-        py::arg("packed"), py::arg("bias"), py::arg("out_features"));
+        py::arg("packed"), py::arg("bias"), py::arg("out_features"),
+        py::arg("out") = py::none());
   m.def("fp32_packed_rows", &fp32_packed_rows, "Rows ids of the weight fp32_pack_weight packed ([len(ids), in]).",
         py::arg("packed"), py::arg("ids"), py::arg("in_features"));
   m.def("bf16_pack_weight", &bf16_pack_weight, "A bf16 [out, in] weight in bf16_linear's paired panel layout.",
         py::arg("weight"));
   m.def("bf16_linear", &bf16_linear,
         "x @ weight.T (+ bias) for bf16 x and weight in fp32 math on AVX-512F, weight from bf16_pack_weight.",
-        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"),
+        py::arg("fp32_out") = false, py::arg("out") = py::none());
   m.def("bf16_dot_linear", &bf16_dot_linear,
         "x @ weight.T (+ bias) for bf16 x and weight by bf16 pair dot products (vdpbf16ps), weight from bf16_pack_weight.",
-        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"),
+        py::arg("fp32_out") = false, py::arg("out") = py::none());
   m.def("bf16_packed_rows", &bf16_packed_rows, "Rows ids of the weight bf16_pack_weight packed ([len(ids), in]).",
         py::arg("packed"), py::arg("ids"), py::arg("in_features"));
   m.def("int8_dot_native", &int8_dot_native,

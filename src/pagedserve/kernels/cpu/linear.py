@@ -32,7 +32,7 @@ class PackedKernel:
 
     available: str  # () -> bool
     pack: str  # (weight) -> packed
-    run: str  # (x, packed, bias, out_features) -> y
+    run: str  # (x, packed, bias, out_features[, fp32_out]) -> y
     rows: str  # (packed, ids, in_features) -> weight[ids]
     out_multiple: int
     in_multiple: int
@@ -142,8 +142,17 @@ def packed_linear(kernel: PackedKernel, weight: Tensor) -> Callable[[Tensor, Ten
     packed = getattr(ext, kernel.pack)(weight.contiguous())
     run, read_rows = getattr(ext, kernel.run), getattr(ext, kernel.rows)
 
-    def linear(x: Tensor, bias: Tensor | None) -> Tensor:
-        return run(x if x.is_contiguous() else x.contiguous(), packed, bias, out_features)
+    bf16 = weight.dtype == torch.bfloat16
+
+    def linear(x: Tensor, bias: Tensor | None, fp32_out: bool = False, out: Tensor | None = None) -> Tensor:
+        """fp32_out: a bf16 layer's results (rounded to bf16 as always) returned widened to fp32,
+        what .float() of its bf16 result gives, in one pass instead of two (the LM head's logits);
+        fp32 layers return fp32 anyway. out: a contiguous [rows, out_features] tensor of the result's
+        dtype to write (and return) instead of a new one."""
+        x = x if x.is_contiguous() else x.contiguous()
+        if bf16:
+            return run(x, packed, bias, out_features, fp32_out, out)
+        return run(x, packed, bias, out_features, out)
 
     def rows(ids: Tensor) -> Tensor:
         """weight[ids] read back from the packed copy (a tied embedding's lookup)."""
@@ -152,4 +161,5 @@ def packed_linear(kernel: PackedKernel, weight: Tensor) -> Callable[[Tensor, Ten
     linear.packed = packed  # type: ignore[attr-defined]  # for tests and memory accounting
     linear.kernel = kernel  # type: ignore[attr-defined]
     linear.rows = rows  # type: ignore[attr-defined]
+    linear.fp32_out = True  # type: ignore[attr-defined]  # takes fp32_out and out (core/layers/linear.py)
     return linear

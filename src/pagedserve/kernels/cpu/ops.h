@@ -63,11 +63,18 @@ void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Ten
 bool lora_add_amx(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& lora_a, const torch::Tensor& lora_b,
                   const int32_t* token_slots, const std::vector<int64_t>& out_slices);
 
+// A linear kernel's output [rows of x, n] of dtype: `out` when given (checked: contiguous, that dtype
+// and shape; a caller that reuses one buffer spares the fresh pages a large new tensor costs), else
+// a new tensor. `name` prefixes the error. (simd_linear.cpp)
+torch::Tensor output_for(const torch::Tensor& x, int64_t n, c10::ScalarType dtype,
+                         const c10::optional<torch::Tensor>& out, const char* name);
+
 // amx_linear.cpp
 bool amx_linear_available();
 torch::Tensor amx_pack_weight(torch::Tensor weight);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                         int64_t out_features);
+                         int64_t out_features, bool fp32_out,
+                         c10::optional<torch::Tensor> out);
 torch::Tensor amx_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features);
 
 // simd_linear.cpp
@@ -76,16 +83,18 @@ bool avx512_bf16_dot_native();    // bf16_dot_linear uses vdpbf16ps (AVX512-BF16
 bool avx2_kernels_available();    // avx2_fp32_linear (AVX2 with FMA)
 torch::Tensor fp32_pack_weight(torch::Tensor weight);
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                          int64_t out_features);
+                          int64_t out_features, c10::optional<torch::Tensor> out);
 torch::Tensor avx2_fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                               int64_t out_features);  // over fp32_pack_weight's layout
+                               int64_t out_features, c10::optional<torch::Tensor> out);  // over fp32_pack_weight's layout
 torch::Tensor fp32_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features);
 torch::Tensor bf16_pack_weight(torch::Tensor weight);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                          int64_t out_features);
+                          int64_t out_features, bool fp32_out,
+                         c10::optional<torch::Tensor> out);
 torch::Tensor bf16_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features);
 torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                              int64_t out_features);  // over bf16_pack_weight's layout
+                              int64_t out_features, bool fp32_out,
+                         c10::optional<torch::Tensor> out);  // over bf16_pack_weight's layout
 
 // int8_linear.cpp: weight-only int8 (q [N, K] int8, scales float32 [K / group_size, N])
 bool int8_dot_native();  // int8_dot_linear uses vdpbf16ps (AVX512-BF16), not its emulation

@@ -141,13 +141,27 @@ PAGEDSERVE_AVX512 inline void store_bf16(const float* src, uint16_t* dst) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(rounded));
 }
 
+// The same 16 values rounded to bf16 and widened back to fp32 (fp32_out: what .float() of the
+// bf16 result gives).
+PAGEDSERVE_AVX512 inline void store_bf16_widened(const float* src, float* dst) {
+  const __m512 f = _mm512_loadu_ps(src);
+  const __m512i bits = _mm512_castps_si512(f);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7fff));
+  __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, bias), _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+  _mm512_storeu_ps(dst, _mm512_castsi512_ps(rounded));
+}
+
 // Panels [p0, p1) of y for rows [0, M), from x packed by pack_x, plus the bias. fp32 outputs are
-// summed in place; bf16 outputs in a chunk-sized fp32 buffer, then rounded once into y.
-template <class Math, class Out>
+// summed in place; bf16 outputs in a chunk-sized fp32 buffer, then rounded once into y (kWiden:
+// into fp32 y, widened back from bf16).
+template <class Math, class Out, bool kWiden = false>
 void panels(const typename Math::X* xp, const typename Math::Panel::T* w, const float* bias, Out* y, int64_t M,
             int64_t K, int64_t N, int64_t p0, int64_t p1) {
   using Panel = typename Math::Panel;
-  constexpr bool kInPlace = std::is_same<Out, float>::value;
+  static_assert(!kWiden || std::is_same<Out, float>::value, "widened bf16 results are stored as fp32");
+  constexpr bool kInPlace = std::is_same<Out, float>::value && !kWiden;
   const int64_t panel_values = K / Panel::kK * Panel::kStep;
   const int64_t chunk = chunk_rows(M);
   std::vector<float> sums(kInPlace ? 0 : static_cast<size_t>(chunk * kPanel));
@@ -169,7 +183,11 @@ void panels(const typename Math::X* xp, const typename Math::Panel::T* w, const 
         if (bias != nullptr) {
           for (int64_t c = 0; c < kPanel; ++c) row[c] += bias[p * kPanel + c];
         }
-        if (!kInPlace) {
+        if constexpr (kWiden) {
+          float* out = y + (c0 + r) * N + p * kPanel;
+          store_bf16_widened(row, out);
+          store_bf16_widened(row + 16, out + 16);
+        } else if constexpr (!kInPlace) {
           auto* out = reinterpret_cast<uint16_t*>(y + (c0 + r) * N + p * kPanel);
           store_bf16(row, out);
           store_bf16(row + 16, out + 16);
@@ -233,9 +251,11 @@ torch::Tensor pack_weight(const torch::Tensor& weight) {
   return packed;
 }
 
+// fp32_out (bf16 kernels): the bf16-rounded results stored widened to fp32 (amx_linear.cpp says why).
 template <class Math>
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                     int64_t out_features) {
+                     int64_t out_features, bool fp32_out = false,
+                     const c10::optional<torch::Tensor>& out = c10::nullopt) {
   using Panel = typename Math::Panel;
   const char* name = Math::name;
   TORCH_CHECK(x.scalar_type() == Kind<Panel>::dtype && x.dim() == 2 && x.is_contiguous(), name, "_linear: x must be a ",
@@ -253,16 +273,24 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
                 "_linear: bias must be contiguous ", dtype_name(Kind<Panel>::dtype), " [out_features]");
     bias32 = bias->to(torch::kFloat);
   }
-  torch::Tensor y = torch::empty({M, N}, x.options());
+  constexpr bool kFp32 = std::is_same<Panel, Fp32Panel>::value;
+  const bool widen = fp32_out && !kFp32;
+  torch::Tensor y = output_for(x, N, widen ? torch::kFloat : x.scalar_type(), out, name);
   if (M == 0) return y;
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
   const torch::Tensor x_packed = pack_x<Math>(x);
   const auto* xp = reinterpret_cast<const typename Math::X*>(x_packed.data_ptr());
   const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   const auto* w = values<Panel>(packed);
-  using Out = std::conditional_t<std::is_same<Panel, Fp32Panel>::value, float, c10::BFloat16>;
-  Out* out = y.data_ptr<Out>();
-  at::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) { panels<Math>(xp, w, b, out, M, K, N, p0, p1); });
+  if (widen) {
+    float* out = y.data_ptr<float>();
+    at::parallel_for(0, N / kPanel, 1,
+                     [&](int64_t p0, int64_t p1) { panels<Math, float, !kFp32>(xp, w, b, out, M, K, N, p0, p1); });
+  } else {
+    using Out = std::conditional_t<kFp32, float, c10::BFloat16>;
+    Out* out = y.data_ptr<Out>();
+    at::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) { panels<Math>(xp, w, b, out, M, K, N, p0, p1); });
+  }
 #endif
   return y;
 }
@@ -298,18 +326,28 @@ torch::Tensor packed_rows(const torch::Tensor& packed, const torch::Tensor& ids,
 
 }  // namespace
 
+torch::Tensor output_for(const torch::Tensor& x, int64_t n, c10::ScalarType dtype,
+                         const c10::optional<torch::Tensor>& out, const char* name) {
+  if (!out.has_value()) return torch::empty({x.size(0), n}, x.options().dtype(dtype));
+  TORCH_CHECK(out->scalar_type() == dtype && out->dim() == 2 && out->size(0) == x.size(0) && out->size(1) == n &&
+                  out->is_contiguous() && out->device() == x.device(),
+              name, ": out must be a contiguous ", dtype_name(dtype), " [", x.size(0), ", ", n, "] tensor, got ",
+              dtype_name(out->scalar_type()), " ", out->sizes());
+  return *out;
+}
+
 bool avx512_kernels_available() { return fp32_gemm::available(); }
 bool avx512_bf16_dot_native() { return fp32_gemm::native_bf16_dot(); }
 bool avx2_kernels_available() { return fp32_gemm::avx2_available(); }
 
 torch::Tensor fp32_pack_weight(torch::Tensor weight) { return pack_weight<Fp32Panel>(weight); }
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                          int64_t out_features) {
-  return linear<FmaMath<Fp32Panel>>(x, packed, bias, out_features);
+                          int64_t out_features, c10::optional<torch::Tensor> out) {
+  return linear<FmaMath<Fp32Panel>>(x, packed, bias, out_features, false, out);
 }
 torch::Tensor avx2_fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                               int64_t out_features) {
-  return linear<Avx2FmaMath>(x, packed, bias, out_features);
+                               int64_t out_features, c10::optional<torch::Tensor> out) {
+  return linear<Avx2FmaMath>(x, packed, bias, out_features, false, out);
 }
 torch::Tensor fp32_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features) {
   return packed_rows<Fp32Panel>(packed, ids, in_features);
@@ -317,14 +355,16 @@ torch::Tensor fp32_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t 
 
 torch::Tensor bf16_pack_weight(torch::Tensor weight) { return pack_weight<Bf16PairPanel>(weight); }
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                          int64_t out_features) {
-  return linear<FmaMath<Bf16PairPanel>>(x, packed, bias, out_features);
+                          int64_t out_features, bool fp32_out, c10::optional<torch::Tensor> out) {
+  return linear<FmaMath<Bf16PairPanel>>(x, packed, bias, out_features, fp32_out, out);
 }
 // vdpbf16ps where the CPU has it, else its emulation (fp32_gemm::EmulatedDot: for tests).
 torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                              int64_t out_features) {
-  if (fp32_gemm::native_bf16_dot()) return linear<DotMath<fp32_gemm::NativeDot>>(x, packed, bias, out_features);
-  return linear<DotMath<fp32_gemm::EmulatedDot>>(x, packed, bias, out_features);
+                              int64_t out_features, bool fp32_out, c10::optional<torch::Tensor> out) {
+  if (fp32_gemm::native_bf16_dot()) {
+    return linear<DotMath<fp32_gemm::NativeDot>>(x, packed, bias, out_features, fp32_out, out);
+  }
+  return linear<DotMath<fp32_gemm::EmulatedDot>>(x, packed, bias, out_features, fp32_out, out);
 }
 torch::Tensor bf16_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features) {
   return packed_rows<Bf16PairPanel>(packed, ids, in_features);
