@@ -114,8 +114,8 @@ class LlamaDecoder:
     def _logits_buffer(self, rows: int) -> torch.Tensor | None:
         """Where the LM head writes this step's float32 logits when they are large: one CPU buffer
         reused from step to step, so that the logits (valid until the next forward) come without
-        fresh pages. glibc maps every block over 32 MB afresh and the kernel faults in and zeroes
-        each 4 KB page: Gemma 3's 262,144-word logits at 64 rows (67 MB) took 17 ms to fill
+        fresh pages. glibc maps every block over 32 MB afresh and the OS faults in and zeroes
+        each 4 KB page on first touch: Gemma 3's 262,144-word logits at 64 rows (67 MB) took 17 ms to fill
         fresh against 1.3 ms reused, on a 2-core AMX Xeon. Logits over REUSED_LOGITS_MAX_BYTES
         (prompt logprobs over a long chunk) are allocated per step, as small ones are."""
         vocab = self.lm_head[0].out_features

@@ -18,7 +18,8 @@
 // a time; a last partial 16-row tile is read from a zero-padded copy, so no tile reads past x.
 // Results are rounded once to bf16 (round to nearest even), as oneDNN's bf16 matmul does, after
 // adding the bias in fp32; with fp32_out they are stored widened back to fp32: the values .float()
-// of the bf16 result gives, without that second pass over the output (the LM head's logits). Groups are split across threads; each thread configures its tiles.
+// of the bf16 result gives, without that second pass over the output (the LM head's logits).
+// Groups are split across threads; each thread configures its tiles.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
