@@ -171,11 +171,14 @@ def test_out_is_written_and_returned(kernel, dtype):
 
 
 def test_float_out_falls_back_to_float_where_the_kernel_cannot_widen():
-    """Linear.float_out on a layer without a packed kernel (torch's matmul here) is self(x).float()."""
+    """Linear.float_out on a layer without a packed kernel (torch's matmul here) is self(x).float(),
+    written into `out` when given (the int8 kernels take this path too)."""
     w, x = randn(64, 7, seed=20, dtype=torch.bfloat16), randn(3, 7, seed=21, dtype=torch.bfloat16)
     layer = Linear(w, pack=False)
     got = layer.float_out(x)
     assert got.dtype == torch.float32 and torch.equal(got, layer(x).float())
+    out = torch.full((3, 64), float("nan"))
+    assert layer.float_out(x, out).data_ptr() == out.data_ptr() and torch.equal(out, got)
 
 
 @needs_avx2

@@ -102,7 +102,7 @@ class Linear:
         """self(x).float(): a bf16 layer's results as ever (rounded to bf16, as transformers' and
         vLLM's logits are), in float32. A kernel that can store them widened does so in the same
         pass (kernels/cpu/linear.py), into `out` (float32 [rows, out_features], contiguous) when
-        given; other paths return a new tensor."""
+        given; other paths (the int8 kernels, torch's matmul) convert their result into `out`."""
         if self.kernel is not None and getattr(self.kernel, "fp32_out", False):
             return self.kernel(x, self.bias, fp32_out=True, out=out)
-        return self(x).float()
+        return self(x).float() if out is None else out.copy_(self(x))
