@@ -32,7 +32,7 @@ class PackedKernel:
 
     available: str  # () -> bool
     pack: str  # (weight) -> packed
-    run: str  # (x, packed, bias, out_features[, fp32_out]) -> y
+    run: str  # (x, packed, bias, out_features[, fp32_out], out) -> y (bf16 kernels take fp32_out)
     rows: str  # (packed, ids, in_features) -> weight[ids]
     out_multiple: int
     in_multiple: int

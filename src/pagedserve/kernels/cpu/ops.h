@@ -73,8 +73,7 @@ torch::Tensor output_for(const torch::Tensor& x, int64_t n, c10::ScalarType dtyp
 bool amx_linear_available();
 torch::Tensor amx_pack_weight(torch::Tensor weight);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                         int64_t out_features, bool fp32_out,
-                         c10::optional<torch::Tensor> out);
+                         int64_t out_features, bool fp32_out, c10::optional<torch::Tensor> out);
 torch::Tensor amx_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features);
 
 // simd_linear.cpp
@@ -84,17 +83,17 @@ bool avx2_kernels_available();    // avx2_fp32_linear (AVX2 with FMA)
 torch::Tensor fp32_pack_weight(torch::Tensor weight);
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                           int64_t out_features, c10::optional<torch::Tensor> out);
+// avx2_fp32_linear: over fp32_pack_weight's layout
 torch::Tensor avx2_fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                               int64_t out_features, c10::optional<torch::Tensor> out);  // over fp32_pack_weight's layout
+                               int64_t out_features, c10::optional<torch::Tensor> out);
 torch::Tensor fp32_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features);
 torch::Tensor bf16_pack_weight(torch::Tensor weight);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                          int64_t out_features, bool fp32_out,
-                         c10::optional<torch::Tensor> out);
+                          int64_t out_features, bool fp32_out, c10::optional<torch::Tensor> out);
 torch::Tensor bf16_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features);
+// bf16_dot_linear: over bf16_pack_weight's layout
 torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                              int64_t out_features, bool fp32_out,
-                         c10::optional<torch::Tensor> out);  // over bf16_pack_weight's layout
+                              int64_t out_features, bool fp32_out, c10::optional<torch::Tensor> out);
 
 // int8_linear.cpp: weight-only int8 (q [N, K] int8, scales float32 [K / group_size, N])
 bool int8_dot_native();  // int8_dot_linear uses vdpbf16ps (AVX512-BF16), not its emulation
