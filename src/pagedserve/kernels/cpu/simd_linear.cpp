@@ -130,27 +130,24 @@ struct DotMath {
 
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
 
-// 16 fp32 values rounded to bf16 as c10::BFloat16 rounds them: to nearest even, NaN a quiet NaN.
-PAGEDSERVE_AVX512 inline void store_bf16(const float* src, uint16_t* dst) {
+// 16 fp32 values rounded to bf16 as c10::BFloat16 rounds them (to nearest even, NaN a quiet NaN),
+// each in the low 16 bits of its lane.
+PAGEDSERVE_AVX512 inline __m512i bf16_bits(const float* src) {
   const __m512 f = _mm512_loadu_ps(src);
   const __m512i bits = _mm512_castps_si512(f);
   const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
                                         _mm512_set1_epi32(0x7fff));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(rounded));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
 }
 
-// The same 16 values rounded to bf16 and widened back to fp32 (fp32_out: what .float() of the
-// bf16 result gives).
+PAGEDSERVE_AVX512 inline void store_bf16(const float* src, uint16_t* dst) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(bf16_bits(src)));
+}
+
+// The same values widened back to fp32 (fp32_out: what .float() of the bf16 result gives).
 PAGEDSERVE_AVX512 inline void store_bf16_widened(const float* src, float* dst) {
-  const __m512 f = _mm512_loadu_ps(src);
-  const __m512i bits = _mm512_castps_si512(f);
-  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
-                                        _mm512_set1_epi32(0x7fff));
-  __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, bias), _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
-  _mm512_storeu_ps(dst, _mm512_castsi512_ps(rounded));
+  _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(src), 16)));
 }
 
 // Panels [p0, p1) of y for rows [0, M), from x packed by pack_x, plus the bias. fp32 outputs are
