@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -208,20 +209,29 @@ constexpr int64_t kChunk = 32;
 // GB query heads sharing one KV head (GQA) over n <= kChunk positions whose values start at
 // kr/vr + rows[t] (+ the KV head's offset): each K and V row is loaded (and, for bf16, split into
 // lane order) once for all GB heads. 16 scores of a head are reduced together (reduce16), the
-// exp is vectorised, and each head's accumulator stays in registers across the chunk. q and
-// st.acc are in lane order for bf16 caches. V: 16 floats as one v16sf (AVX-512 and baseline
-// builds) or F8x2 (AVX2; vec_avx2.h says why), through Vec16<V>.
+// exp is vectorised. q and st.acc are in lane order for bf16 caches. V: 16 floats as one v16sf
+// (AVX-512 and baseline builds) or F8x2 (AVX2; vec_avx2.h says why), through Vec16<V>.
+//
+// Narrow passes (GB * NP <= 8: up to 4 heads at head_dim 64, 2 at 128, 1 at 256) keep q and each
+// head's whole accumulator in registers across the chunk. Wide passes (more heads, AVX-512 only:
+// Gemma 3's 4 heads per KV head at head_dim 256) read q from L1 and take P V one 64-value slice
+// of head_dim at a time, so a K or V row is still split once for all the heads: with one head per
+// pass each was split 4 times, and Gemma 3 270M's step was bound by that arithmetic (17 GB/s of
+// K/V against 27 GB/s at SmolLM2's shape, 2-core AMX Xeon).
 template <int64_t Kind, int64_t NP, int64_t GB, class V>
 PAGEDSERVE_INLINE void attend_heads(const float* q, const void* kr, const void* vr, const int64_t* rows, int64_t n,
                                     const int64_t* next_rows, int64_t next_n, int64_t head0, int64_t kv_offset,
                                     float scale, float softcap, float* scores, Partial st) {
   using VO = Vec16<V>;
   constexpr int64_t D = 32 * NP, kBytes = Kind == kBFloat16 ? 2 : 4;
-  V qa[GB][NP], qb[GB][NP];
-  for (int64_t g = 0; g < GB; ++g) {
-    for (int64_t c = 0; c < NP; ++c) {
-      qa[g][c] = VO::load(q + (head0 + g) * D + 32 * c);
-      qb[g][c] = VO::load(q + (head0 + g) * D + 32 * c + 16);
+  constexpr bool kWide = GB * NP > 8;
+  V qa[kWide ? 1 : GB][NP], qb[kWide ? 1 : GB][NP];
+  if constexpr (!kWide) {
+    for (int64_t g = 0; g < GB; ++g) {
+      for (int64_t c = 0; c < NP; ++c) {
+        qa[g][c] = VO::load(q + (head0 + g) * D + 32 * c);
+        qb[g][c] = VO::load(q + (head0 + g) * D + 32 * c + 16);
+      }
     }
   }
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
@@ -242,7 +252,14 @@ PAGEDSERVE_INLINE void attend_heads(const float* q, const void* kr, const void* 
       for (int64_t c = 0; c < NP; ++c) {
         V ka, kb;
         load32<Kind>(kr, row + 32 * c, ka, kb);
-        for (int64_t g = 0; g < GB; ++g) sum[g] = VO::fmadd(qa[g][c], ka, VO::fmadd(qb[g][c], kb, sum[g]));
+        for (int64_t g = 0; g < GB; ++g) {
+          if constexpr (kWide) {
+            const float* qg = q + (head0 + g) * D + 32 * c;
+            sum[g] = VO::fmadd(VO::load(qg), ka, VO::fmadd(VO::load(qg + 16), kb, sum[g]));
+          } else {
+            sum[g] = VO::fmadd(qa[g][c], ka, VO::fmadd(qb[g][c], kb, sum[g]));
+          }
+        }
       }
       for (int64_t g = 0; g < GB; ++g) dots[g][t] = sum[g];
     }
@@ -269,46 +286,51 @@ PAGEDSERVE_INLINE void attend_heads(const float* q, const void* kr, const void* 
     st.l[h] = st.l[h] * alpha[g] + VO::hsum(sum_vec);
     st.m[h] = m_new;
   }
-  V aa[GB][NP], ab[GB][NP];
-  for (int64_t g = 0; g < GB; ++g) {
-    const float* a = st.acc + (head0 + g) * D;
-    for (int64_t c = 0; c < NP; ++c) {
-      aa[g][c] = VO::load(a + 32 * c) * alpha[g];
-      ab[g][c] = VO::load(a + 32 * c + 16) * alpha[g];
-    }
-  }
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t row = rows[t] + kv_offset;
-    for (int64_t c = 0; c < NP; ++c) {
-      V va, vb;
-      load32<Kind>(vr, row + 32 * c, va, vb);
-      for (int64_t g = 0; g < GB; ++g) {
-        const V p = VO::splat(scores[g * kChunk + t]);
-        aa[g][c] = VO::fmadd(p, va, aa[g][c]);
-        ab[g][c] = VO::fmadd(p, vb, ab[g][c]);
+  // P V over slices of CP * 32 values of head_dim: the whole head (narrow) or 64 values (wide).
+  constexpr int64_t CP = kWide ? 2 : NP;
+  static_assert(NP % CP == 0, "head_dim slices must tile the head");
+  for (int64_t c0 = 0; c0 < NP; c0 += CP) {
+    V aa[GB][CP], ab[GB][CP];
+    for (int64_t g = 0; g < GB; ++g) {
+      const float* a = st.acc + (head0 + g) * D + 32 * c0;
+      for (int64_t c = 0; c < CP; ++c) {
+        aa[g][c] = VO::load(a + 32 * c) * alpha[g];
+        ab[g][c] = VO::load(a + 32 * c + 16) * alpha[g];
       }
     }
-  }
-  for (int64_t g = 0; g < GB; ++g) {
-    float* a = st.acc + (head0 + g) * D;
-    for (int64_t c = 0; c < NP; ++c) {
-      VO::store(a + 32 * c, aa[g][c]);
-      VO::store(a + 32 * c + 16, ab[g][c]);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t row = rows[t] + kv_offset + 32 * c0;
+      for (int64_t c = 0; c < CP; ++c) {
+        V va, vb;
+        load32<Kind>(vr, row + 32 * c, va, vb);
+        for (int64_t g = 0; g < GB; ++g) {
+          const V p = VO::splat(scores[g * kChunk + t]);
+          aa[g][c] = VO::fmadd(p, va, aa[g][c]);
+          ab[g][c] = VO::fmadd(p, vb, ab[g][c]);
+        }
+      }
+    }
+    for (int64_t g = 0; g < GB; ++g) {
+      float* a = st.acc + (head0 + g) * D + 32 * c0;
+      for (int64_t c = 0; c < CP; ++c) {
+        VO::store(a + 32 * c, aa[g][c]);
+        VO::store(a + 32 * c + 16, ab[g][c]);
+      }
     }
   }
 }
 
 // head_dim = 32 * NP. fp32 and bf16 caches are read in place, kChunk positions (across blocks)
 // at a time, the next chunk prefetched; int8/fp8 are widened one block at a time into `tmp`.
-// Query heads are taken in passes of up to 4 (2 at head_dim 128, 1 at 256) per KV head, so the
-// passes' accumulators fit in registers (at 256, one head's are already 16 of the 32 zmm).
+// Query heads are taken in passes of up to 4 per KV head. The AVX2 build (F8x2: 16 ymm registers)
+// keeps to narrow passes (2 heads at head_dim 128, 1 at 256), whose accumulators fit in registers.
 template <int64_t Kind, int64_t NP, class V>
 PAGEDSERVE_INLINE void attend_vec(const float* q, const Source& k, const Source& v, const int32_t* blocks,
                                   int64_t first, int64_t last, const Geometry& g, float scale, float* scores,
                                   float* tmp, Partial st) {
   constexpr bool kInPlace = Kind == kFloat32 || Kind == kBFloat16;
   constexpr int64_t kLoad = kInPlace ? Kind : kFloat32;  // widened codes are fp32
-  constexpr int64_t kMaxPass = NP == 2 ? 4 : NP == 4 ? 2 : 1;
+  constexpr int64_t kMaxPass = std::is_same_v<V, v16sf> || NP == 2 ? 4 : NP == 4 ? 2 : 1;
   const int64_t B = g.block_size, R = g.row, D = 32 * NP;
   // Row offsets (in values) of a chunk's positions; in-place caches also know the next chunk's,
   // which attend_heads prefetches a few lines per position while it works on this one.
