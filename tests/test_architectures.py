@@ -139,10 +139,13 @@ def test_reused_logits_buffer_stays_exact(tiny_model_dir, family, monkeypatch):
     """The LM head writes large logits into one buffer kept from step to step (llama.py,
     REUSED_LOGITS_MIN_BYTES: Gemma 3's vocabulary). Forced on for a tiny model's small logits,
     with requests joining and leaving so the rows per step change: the same greedy tokens as
-    transformers, and the buffer was in use (kept, grown to the most rows a step had)."""
+    transformers, and the buffer was in use (kept, grown to the most rows a step had). Greedy-only
+    steps skip the logits (LlamaDecoder.greedy_tokens), so the runner is kept on the logits path."""
     from pagedserve.core.models import llama
+    from pagedserve.core.sampler import Sampler
 
     monkeypatch.setattr(llama, "REUSED_LOGITS_MIN_BYTES", 0)
+    monkeypatch.setattr(Sampler, "greedy_only", staticmethod(lambda *args: False))
     path = tiny_model_dir(family)
     engine = make_engine(path, family, attention_backend="cpu", max_num_batched_tokens=40)
     prompts = random_prompts(5, 3, 60, seed=7)

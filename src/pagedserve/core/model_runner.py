@@ -133,6 +133,14 @@ class ModelRunner:
         if out.is_empty:
             return RunnerOutput({}, {}, {})
         batch = self.prepare(out.scheduled, samples)
+        if grammar is None and not any(self._wants_prompt_logprobs(r, x) for r, x in zip(out.scheduled, samples)):
+            # Then the logits rows are the sampling rows, in order.
+            sampling = [x for r, x in zip(out.scheduled, samples) if r.sample]
+            if sampling and self.sampler.greedy_only([x.static.sampling_params for x in sampling],
+                                                     [x.output_token_ids for x in sampling],
+                                                     [x.static.eos_token_id for x in sampling]):
+                tokens = self.model.greedy_tokens(batch, self.kv_caches, self.sampler.argmax_rows).tolist()
+                return RunnerOutput(self._record(sampling, tokens), {}, {})
         logits = self.model.forward(batch, self.kv_caches)
         sample_rows, sampling, prompt_logprobs = [], [], {}
         row = 0
@@ -159,11 +167,17 @@ class ModelRunner:
             [x.output_token_ids for x in sampling], [x.static.prompt_token_ids for x in sampling],
             [x.static.eos_token_id for x in sampling],
         )
-        for x, t in zip(sampling, result.token_ids):
-            x.output_token_ids.append(t)  # the runner's own history: the scheduler appends the same token
-        sampled = {x.static.seq_id: t for x, t in zip(sampling, result.token_ids)}
+        sampled = self._record(sampling, result.token_ids)
         logprobs = {x.static.seq_id: lp for x, lp in zip(sampling, result.logprobs) if lp is not None}
         return RunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    @staticmethod
+    def _record(sampling: list[RunnerSample], token_ids: list[int]) -> dict[int, int]:
+        """Append each sample's new token to the runner's own history (the scheduler appends the
+        same token to its own); seq_id -> token."""
+        for x, t in zip(sampling, token_ids):
+            x.output_token_ids.append(t)
+        return {x.static.seq_id: t for x, t in zip(sampling, token_ids)}
 
     @staticmethod
     def _prompt_logprobs(r: ScheduledSample, sample: RunnerSample, logits: torch.Tensor) -> list[TokenLogprobs]:

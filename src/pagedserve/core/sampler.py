@@ -143,6 +143,25 @@ class Sampler:
         self._cache: dict[Hashable, _SampleCache] = {}
         """seq_id -> the sample's cache; dropped by `forget` when the scheduler reports it finished."""
 
+    @property
+    def argmax_rows(self) -> Callable[[Tensor], Tensor]:
+        """The row-wise argmax greedy rows take (the kernel backend's, or the reference's)."""
+        return self._argmax
+
+    @staticmethod
+    def greedy_only(params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]],
+                    eos_token_ids: Sequence[int | None]) -> bool:
+        """Whether __call__ would return argmax_rows(logits) for these rows and nothing else: every
+        row greedy, without logit_bias, penalties, logprobs, bad_words, or a min_tokens ban this
+        step. The runner then asks the model for the tokens alone (LlamaDecoder.greedy_tokens),
+        and an LM head that can never stores the logits."""
+        for p, output, eos in zip(params, output_token_ids, eos_token_ids):
+            if not p.greedy or p.logit_bias or p.uses_penalties or p.logprobs is not None or p.bad_words_token_ids:
+                return False
+            if len(output) < p.min_tokens and (p.stop_token_ids or (eos is not None and not p.ignore_eos)):
+                return False
+        return True
+
     def forget(self, seq_ids: Sequence[Hashable]) -> None:
         for seq_id in seq_ids:
             self._cache.pop(seq_id, None)

@@ -106,3 +106,13 @@ class Linear:
         if self.kernel is not None and getattr(self.kernel, "fp32_out", False):
             return self.kernel(x, self.bias, fp32_out=True, out=out)
         return self(x).float() if out is None else out.copy_(self(x))
+
+    def argmax(self, x: torch.Tensor, argmax_rows: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """argmax_rows(self.float_out(x)), int64 [rows]: greedy tokens from an LM head. A kernel that
+        folds its outputs into each row's argmax as it computes them (kernels/cpu/row_argmax.h)
+        never stores the logits; the others compute them and take argmax_rows, whose rule (the
+        first of equal maxima, a row's first NaN) the kernels keep."""
+        fused = getattr(self.kernel, "argmax", None)
+        if fused is not None:
+            return fused(x, self.bias)
+        return argmax_rows(self.float_out(x))

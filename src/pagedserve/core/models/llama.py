@@ -143,6 +143,33 @@ class LlamaDecoder:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[KVCacheTensors]) -> torch.Tensor:
         """Logits [num_sampled, vocab] (fp32) for batch.logits_indices."""
+        return self.logits(self.final_hidden(batch, kv_caches))
+
+    @torch.inference_mode()
+    def greedy_tokens(self, batch: ForwardBatch, kv_caches: list[KVCacheTensors],
+                      argmax_rows: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """argmax_rows(self.forward(batch, kv_caches)), int64 [num_sampled]: the greedy tokens. Where
+        the LM head's kernel folds its outputs into the argmax (Linear.argmax), the logits are
+        never stored; a final softcap (Gemma 2) keeps the logits path, because tanh can round two
+        different logits to one value and so change which comes first."""
+        h = self.final_hidden(batch, kv_caches)
+        if len(self.lm_head) == 1 and self.arch.final_softcap is None:
+            return self.lm_head[0].argmax(h, argmax_rows)
+        return argmax_rows(self.logits(h))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head over final_hidden's rows: fp32 logits (bf16-rounded for bf16 models), valid
+        until the next forward (_logits_buffer)."""
+        if len(self.lm_head) == 1:
+            logits = self.lm_head[0].float_out(h, self._logits_buffer(h.shape[0]))
+        else:
+            logits = torch.cat([head(h) for head in self.lm_head], dim=1).float()
+        if self.arch.final_softcap is not None:
+            logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
+        return logits
+
+    def final_hidden(self, batch: ForwardBatch, kv_caches: list[KVCacheTensors]) -> torch.Tensor:
+        """The decoder's normed output at batch.logits_indices: what the LM head reads."""
         ops, eps, gemma = self.kernels, self.arch.rms_norm_eps, self.arch.gemma_norms
         if self.embed_rows is not None:
             residual = self.embed_rows(batch.input_ids)
@@ -177,14 +204,7 @@ class LlamaDecoder:
             if self.between_layers is not None:
                 self.between_layers()
         rows = batch.logits_indices
-        h = ops.rms_norm(residual[rows] + x[rows], self.norm, eps)
-        if len(self.lm_head) == 1:
-            logits = self.lm_head[0].float_out(h, self._logits_buffer(h.shape[0]))
-        else:
-            logits = torch.cat([head(h) for head in self.lm_head], dim=1).float()
-        if self.arch.final_softcap is not None:
-            logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
-        return logits
+        return ops.rms_norm(residual[rows] + x[rows], self.norm, eps)
 
     def _attention(self, layer: int, x: torch.Tensor, w: LayerWeights, kv: KVCacheTensors, batch: ForwardBatch,
                    window: int | None, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -19,7 +19,8 @@
 // Results are rounded once to bf16 (round to nearest even), as oneDNN's bf16 matmul does, after
 // adding the bias in fp32; with fp32_out they are stored widened back to fp32: the values .float()
 // of the bf16 result gives, without that second pass over the output (the LM head's logits).
-// Groups are split across threads; each thread configures its tiles.
+// Groups are split across threads; each thread configures its tiles. amx_linear_argmax folds the
+// same rounded values into each row's greedy token instead of storing them (row_argmax.h).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -32,6 +33,7 @@
 #include "huge_pages.h"
 #include "isa.h"
 #include "ops.h"
+#include "row_argmax.h"
 #include "vec.h"
 
 namespace pagedserve {
@@ -87,11 +89,26 @@ PAGEDSERVE_AMX void write_rows(const float* c, const uint16_t* bias, uint16_t* y
   }
 }
 
+// The same rows' values folded into best[0 .. rows) (row_argmax.h), columns from col0.
+PAGEDSERVE_AMX void fold_rows(const float* c, const uint16_t* bias, row_argmax::Best* best, int64_t col0,
+                              int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r) {
+    v16sf lo = loadv<v16sf>(c + r * kGroup), hi = loadv<v16sf>(c + r * kGroup + 16);
+    if (bias != nullptr) {
+      lo += bf16x16_to_float(bias);
+      hi += bf16x16_to_float(bias + 16);
+    }
+    row_argmax::fold32(best[r], reinterpret_cast<__m512>(round_to_bf16x16(lo)),
+                       reinterpret_cast<__m512>(round_to_bf16x16(hi)), col0);
+  }
+}
+
 // Groups [g0, g1) of y = x @ W^T for x [M, K] (rows padded: xt holds the last partial tile), into
-// y (bf16) or, when y32 is not null, into y32 (the same values widened to fp32).
+// y (bf16) or, when y32 is not null, into y32 (the same values widened to fp32); when best is not
+// null, folded into best[0 .. M) instead.
 PAGEDSERVE_AMX void amx_groups(const uint16_t* x, const uint16_t* xt, int64_t tail_row0, const uint16_t* w,
-                               const uint16_t* bias, uint16_t* y, float* y32, int64_t M, int64_t K, int64_t N,
-                               int64_t g0, int64_t g1) {
+                               const uint16_t* bias, uint16_t* y, float* y32, row_argmax::Best* best, int64_t M,
+                               int64_t K, int64_t N, int64_t g0, int64_t g1) {
   configure_tiles();
   alignas(64) float c[2 * kTile * kGroup];
   const int64_t slices = K / kSlice;
@@ -107,6 +124,10 @@ PAGEDSERVE_AMX void amx_groups(const uint16_t* x, const uint16_t* xt, int64_t ta
       amx::block_32x32(rows_at(r0), two ? rows_at(r0 + kTile) : nullptr, x_stride, wg, slices,
                        r0 == 0 ? kPrefetchBytes : 0, c);
       const int64_t rows = std::min<int64_t>(2 * kTile, M - r0);
+      if (best != nullptr) {
+        fold_rows(c, bias == nullptr ? nullptr : bias + g * kGroup, best + r0, g * kGroup, rows);
+        continue;
+      }
       const int64_t at = r0 * N + g * kGroup;
       write_rows(c, bias == nullptr ? nullptr : bias + g * kGroup, y32 == nullptr ? y + at : nullptr,
                  y32 == nullptr ? nullptr : y32 + at, N, rows);
@@ -160,20 +181,31 @@ torch::Tensor amx_pack_weight(torch::Tensor weight) {
   return packed;
 }
 
+namespace {
+
+// amx_linear's and amx_linear_argmax's checks; the bias as a pointer (null: none).
+const uint16_t* checked_bias(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                             int64_t N, const char* name) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(), name,
+              ": x must be a contiguous 2-D bfloat16 tensor, got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(amx_linear_available(), name, ": this CPU (or kernel) offers no AMX bf16");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() && packed.numel() == N * K, name,
+              ": packed must be amx_pack_weight's result for a [", N, ", ", K, "] weight");
+  TORCH_CHECK(N % kGroup == 0 && K % kSlice == 0, name, ": unsupported shape");
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() && bias->numel() == N, name,
+              ": bias must be contiguous bfloat16 [out_features]");
+  return reinterpret_cast<const uint16_t*>(bias->data_ptr());
+}
+
+}  // namespace
+
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                          int64_t out_features, bool fp32_out, c10::optional<torch::Tensor> out) {
-  check_bf16_matrix(x, "x");
-  TORCH_CHECK(amx_linear_available(), "amx_linear: this CPU (or kernel) offers no AMX bf16");
-  const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() && packed.numel() == N * K,
-              "amx_linear: packed must be amx_pack_weight's result for a [", N, ", ", K, "] weight");
-  TORCH_CHECK(N % kGroup == 0 && K % kSlice == 0, "amx_linear: unsupported shape");
-  const uint16_t* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
-                "amx_linear: bias must be contiguous bfloat16 [out_features]");
-    b = reinterpret_cast<const uint16_t*>(bias->data_ptr());
-  }
+  const int64_t N = out_features;
+  const uint16_t* b = checked_bias(x, packed, bias, N, "amx_linear");
+  const int64_t M = x.size(0), K = x.size(1);
   torch::Tensor y = output_for(x, N, fp32_out ? torch::kFloat : torch::kBFloat16, out, "amx_linear");
   if (M == 0) return y;
 #ifdef PAGEDSERVE_HAVE_AMX
@@ -186,10 +218,29 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   uint16_t* yp = fp32_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr());
   float* y32 = fp32_out ? y.data_ptr<float>() : nullptr;
   at::parallel_for(0, N / kGroup, 1, [&](int64_t g0, int64_t g1) {
-    amx_groups(xp, tail.data(), tail_row0, w, b, yp, y32, M, K, N, g0, g1);
+    amx_groups(xp, tail.data(), tail_row0, w, b, yp, y32, nullptr, M, K, N, g0, g1);
   });
 #endif
   return y;
+}
+
+torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                                int64_t out_features) {
+  const int64_t N = out_features;
+  const uint16_t* b = checked_bias(x, packed, bias, N, "amx_linear_argmax");
+  const int64_t M = x.size(0), K = x.size(1);
+  if (M == 0) return torch::empty({0}, x.options().dtype(torch::kLong));
+#ifdef PAGEDSERVE_HAVE_AMX
+  const int64_t tail_row0 = M - M % kTile;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const std::vector<uint16_t> tail = amx::padded_tail(xp, M, K);
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  return row_argmax::argmax_over_ranges(M, N / kGroup, x.options(), [&](int64_t g0, int64_t g1, row_argmax::Best* best) {
+    amx_groups(xp, tail.data(), tail_row0, w, b, nullptr, nullptr, best, M, K, N, g0, g1);
+  });
+#else
+  return torch::empty({0}, x.options().dtype(torch::kLong));
+#endif
 }
 
 // Rows of W read back from amx_pack_weight's layout: row n sits in group n / 32, tile (n % 32) / 16,

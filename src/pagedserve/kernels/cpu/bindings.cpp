@@ -53,6 +53,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear", &amx_linear, "x @ weight.T (+ bias) in bf16 on AMX, weight from amx_pack_weight.",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"),
         py::arg("fp32_out") = false, py::arg("out") = py::none());
+  m.def("amx_linear_argmax", &amx_linear_argmax,
+        "Each row's argmax (int64 [rows]) over amx_linear's result, which is not stored (greedy decoding).",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
   m.def("amx_packed_rows", &amx_packed_rows, "Rows ids of the weight amx_pack_weight packed ([len(ids), in]).",
         py::arg("packed"), py::arg("ids"), py::arg("in_features"));
   m.def("avx512_kernels_available", &avx512_kernels_available,
@@ -81,6 +84,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ weight.T (+ bias) for bf16 x and weight by bf16 pair dot products (vdpbf16ps), weight from bf16_pack_weight.",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"),
         py::arg("fp32_out") = false, py::arg("out") = py::none());
+  m.def("fp32_linear_argmax", &fp32_linear_argmax, "Each row's argmax over fp32_linear's result, not stored.",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
+  m.def("bf16_linear_argmax", &bf16_linear_argmax, "Each row's argmax over bf16_linear's result, not stored.",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
+  m.def("bf16_dot_linear_argmax", &bf16_dot_linear_argmax,
+        "Each row's argmax over bf16_dot_linear's result, not stored.", py::arg("x"), py::arg("packed"),
+        py::arg("bias"), py::arg("out_features"));
   m.def("bf16_packed_rows", &bf16_packed_rows, "Rows ids of the weight bf16_pack_weight packed ([len(ids), in]).",
         py::arg("packed"), py::arg("ids"), py::arg("in_features"));
   m.def("int8_dot_native", &int8_dot_native,

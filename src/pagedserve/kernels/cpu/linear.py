@@ -38,21 +38,26 @@ class PackedKernel:
     in_multiple: int
     # Taken only where native_bf16() is this (None: either way).
     needs_native_bf16: bool | None = None
+    # (x, packed, bias, out_features) -> each row's argmax over `run`'s result, int64 [rows], the
+    # outputs never stored (row_argmax.h); None: this kernel has none.
+    argmax: str | None = None
 
 
 # Outputs in groups of 32 columns, inputs in slices of 32 (two 16 x 32 bf16 tiles).
-AMX_BF16 = PackedKernel("amx_linear_available", "amx_pack_weight", "amx_linear", "amx_packed_rows", 32, 32)
+AMX_BF16 = PackedKernel("amx_linear_available", "amx_pack_weight", "amx_linear", "amx_packed_rows", 32, 32,
+                        argmax="amx_linear_argmax")
 # Outputs in panels of 32 columns (two zmm registers); any number of inputs.
-AVX512_FP32 = PackedKernel("avx512_kernels_available", "fp32_pack_weight", "fp32_linear", "fp32_packed_rows", 32, 1)
+AVX512_FP32 = PackedKernel("avx512_kernels_available", "fp32_pack_weight", "fp32_linear", "fp32_packed_rows", 32, 1,
+                           argmax="fp32_linear_argmax")
 # bf16 panels of 32 columns with inputs in pairs, multiplied by vdpbf16ps (AVX512-BF16 CPUs without
 # AMX: AMD Zen 4 and later, Cooper Lake). Unmeasured against oneDNN's bf16 matmul on such a CPU; the
 # AMX kernel's measurements on the same streaming design are why it is preferred (docs/benchmarks.md).
 AVX512_BF16_DOT = PackedKernel("avx512_kernels_available", "bf16_pack_weight", "bf16_dot_linear", "bf16_packed_rows",
-                               32, 2, needs_native_bf16=True)
+                               32, 2, needs_native_bf16=True, argmax="bf16_dot_linear_argmax")
 # The same panels in fp32 math: only where the CPU has no bf16 instructions, where oneDNN's bf16
 # matmul emulates them (3.5x slower than this on an AVX-512 Xeon).
 AVX512_BF16_FP32_MATH = PackedKernel("avx512_kernels_available", "bf16_pack_weight", "bf16_linear",
-                                     "bf16_packed_rows", 32, 2, needs_native_bf16=False)
+                                     "bf16_packed_rows", 32, 2, needs_native_bf16=False, argmax="bf16_linear_argmax")
 
 # The same fp32 panels on AVX2 with FMA (CPUs without AVX-512), in ymm blocks of 6 rows x 16
 # columns or 3 x 32: ahead of MKL's AVX2 sgemm where the weights stream cold at decode sizes, a few
@@ -158,6 +163,15 @@ def packed_linear(kernel: PackedKernel, weight: Tensor) -> Callable[[Tensor, Ten
         """weight[ids] read back from the packed copy (a tied embedding's lookup)."""
         return read_rows(packed, ids, in_features)
 
+    if kernel.argmax is not None:
+        run_argmax = getattr(ext, kernel.argmax)
+
+        def argmax(x: Tensor, bias: Tensor | None) -> Tensor:
+            """Each row's argmax over linear(x, bias) (int64 [rows]: greedy tokens from the LM head),
+            the outputs folded as they are computed and never stored."""
+            return run_argmax(x if x.is_contiguous() else x.contiguous(), packed, bias, out_features)
+
+        linear.argmax = argmax  # type: ignore[attr-defined]
     linear.packed = packed  # type: ignore[attr-defined]  # for tests and memory accounting
     linear.kernel = kernel  # type: ignore[attr-defined]
     linear.rows = rows  # type: ignore[attr-defined]

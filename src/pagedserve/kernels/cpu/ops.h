@@ -75,6 +75,10 @@ torch::Tensor amx_pack_weight(torch::Tensor weight);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                          int64_t out_features, bool fp32_out, c10::optional<torch::Tensor> out);
 torch::Tensor amx_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features);
+// The *_linear_argmax entry points: each row's argmax over x @ W^T (+ bias) as the linear would
+// have returned it, int64 [rows], without storing the outputs (row_argmax.h: greedy decoding).
+torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                                int64_t out_features);
 
 // simd_linear.cpp
 bool avx512_kernels_available();  // fp32_*/bf16_* linear and paged_prefill_attention (AVX-512 F, BW)
@@ -94,6 +98,12 @@ torch::Tensor bf16_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t 
 // bf16_dot_linear: over bf16_pack_weight's layout
 torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                               int64_t out_features, bool fp32_out, c10::optional<torch::Tensor> out);
+torch::Tensor fp32_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                                 int64_t out_features);
+torch::Tensor bf16_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                                 int64_t out_features);
+torch::Tensor bf16_dot_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                                     int64_t out_features);
 
 // int8_linear.cpp: weight-only int8 (q [N, K] int8, scales float32 [K / group_size, N])
 bool int8_dot_native();  // int8_dot_linear uses vdpbf16ps (AVX512-BF16), not its emulation

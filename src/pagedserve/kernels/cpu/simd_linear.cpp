@@ -40,6 +40,7 @@
 #include "fp32_gemm.h"
 #include "huge_pages.h"
 #include "ops.h"
+#include "row_argmax.h"
 
 namespace pagedserve {
 namespace {
@@ -150,15 +151,32 @@ PAGEDSERVE_AVX512 inline void store_bf16_widened(const float* src, float* dst) {
   _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(src), 16)));
 }
 
+// Rows [0, rows) of one panel's 32 sums (row stride ld), bias added, folded into best[0 .. rows)
+// (row_argmax.h), as stored: fp32, or (kRound) rounded to bf16.
+template <bool kRound>
+PAGEDSERVE_AVX512 void fold_panel(const float* sums, int64_t ld, int64_t rows, int64_t col0, row_argmax::Best* best) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = sums + r * ld;
+    if constexpr (kRound) {
+      row_argmax::fold32(best[r], _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(row), 16)),
+                         _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(row + 16), 16)), col0);
+    } else {
+      row_argmax::fold32(best[r], _mm512_loadu_ps(row), _mm512_loadu_ps(row + 16), col0);
+    }
+  }
+}
+
 // Panels [p0, p1) of y for rows [0, M), from x packed by pack_x, plus the bias. fp32 outputs are
 // summed in place; bf16 outputs in a chunk-sized fp32 buffer, then rounded once into y (kWiden:
-// into fp32 y, widened back from bf16).
+// into fp32 y, widened back from bf16). Out = row_argmax::Best: y is best[0 .. M), each row's
+// values folded into it from the buffer instead of stored.
 template <class Math, class Out, bool kWiden = false>
 void panels(const typename Math::X* xp, const typename Math::Panel::T* w, const float* bias, Out* y, int64_t M,
             int64_t K, int64_t N, int64_t p0, int64_t p1) {
   using Panel = typename Math::Panel;
   static_assert(!kWiden || std::is_same<Out, float>::value, "widened bf16 results are stored as fp32");
   constexpr bool kInPlace = std::is_same<Out, float>::value && !kWiden;
+  constexpr bool kFold = std::is_same<Out, row_argmax::Best>::value;
   const int64_t panel_values = K / Panel::kK * Panel::kStep;
   const int64_t chunk = chunk_rows(M);
   std::vector<float> sums(kInPlace ? 0 : static_cast<size_t>(chunk * kPanel));
@@ -180,7 +198,9 @@ void panels(const typename Math::X* xp, const typename Math::Panel::T* w, const 
         if (bias != nullptr) {
           for (int64_t c = 0; c < kPanel; ++c) row[c] += bias[p * kPanel + c];
         }
-        if constexpr (kWiden) {
+        if constexpr (kFold) {
+          continue;  // the whole chunk at once, below
+        } else if constexpr (kWiden) {
           float* out = y + (c0 + r) * N + p * kPanel;
           store_bf16_widened(row, out);
           store_bf16_widened(row + 16, out + 16);
@@ -189,6 +209,9 @@ void panels(const typename Math::X* xp, const typename Math::Panel::T* w, const 
           store_bf16(row, out);
           store_bf16(row + 16, out + 16);
         }
+      }
+      if constexpr (kFold) {
+        fold_panel<!std::is_same<Panel, Fp32Panel>::value>(first, ld, c1 - c0, p * kPanel, y + c0);
       }
     }
   }
@@ -248,31 +271,40 @@ torch::Tensor pack_weight(const torch::Tensor& weight) {
   return packed;
 }
 
+// The checks linear and linear_argmax share (`entry`: the entry point's name after Math's, for
+// messages); the bias widened to fp32 (undefined: none).
+template <class Math>
+torch::Tensor checked_bias32(const torch::Tensor& x, const torch::Tensor& packed,
+                             const c10::optional<torch::Tensor>& bias, int64_t N, const char* entry) {
+  using Panel = typename Math::Panel;
+  const char* name = Math::name;
+  TORCH_CHECK(x.scalar_type() == Kind<Panel>::dtype && x.dim() == 2 && x.is_contiguous(), name, entry,
+              ": x must be a contiguous 2-D ", dtype_name(Kind<Panel>::dtype), " tensor, got ",
+              dtype_name(x.scalar_type()), " ", x.sizes());
+  TORCH_CHECK(Math::available(), name, entry, ": this CPU (or build) offers no ", Math::isa);
+  const int64_t K = x.size(1);
+  TORCH_CHECK(packed.scalar_type() == Kind<Panel>::dtype && packed.is_contiguous() && packed.numel() == N * K &&
+                  N % kPanel == 0 && K % Panel::kK == 0,
+              name, entry, ": packed must be ", Kind<Panel>::name, "_pack_weight's result for a [", N, ", ", K,
+              "] weight");
+  if (!bias.has_value()) return torch::Tensor();
+  TORCH_CHECK(bias->scalar_type() == Kind<Panel>::dtype && bias->is_contiguous() && bias->numel() == N, name, entry,
+              ": bias must be contiguous ", dtype_name(Kind<Panel>::dtype), " [out_features]");
+  return bias->to(torch::kFloat);
+}
+
 // fp32_out (bf16 kernels): the bf16-rounded results stored widened to fp32 (amx_linear.cpp says why).
 template <class Math>
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                      int64_t out_features, bool fp32_out = false,
                      const c10::optional<torch::Tensor>& out = c10::nullopt) {
   using Panel = typename Math::Panel;
-  const char* name = Math::name;
-  TORCH_CHECK(x.scalar_type() == Kind<Panel>::dtype && x.dim() == 2 && x.is_contiguous(), name, "_linear: x must be a ",
-              "contiguous 2-D ", dtype_name(Kind<Panel>::dtype), " tensor, got ", dtype_name(x.scalar_type()), " ",
-              x.sizes());
-  TORCH_CHECK(Math::available(), name, "_linear: this CPU (or build) offers no ", Math::isa);
-  const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  TORCH_CHECK(packed.scalar_type() == Kind<Panel>::dtype && packed.is_contiguous() && packed.numel() == N * K &&
-                  N % kPanel == 0 && K % Panel::kK == 0,
-              name, "_linear: packed must be ", Kind<Panel>::name, "_pack_weight's result for a [", N, ", ", K,
-              "] weight");
-  torch::Tensor bias32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == Kind<Panel>::dtype && bias->is_contiguous() && bias->numel() == N, name,
-                "_linear: bias must be contiguous ", dtype_name(Kind<Panel>::dtype), " [out_features]");
-    bias32 = bias->to(torch::kFloat);
-  }
+  const int64_t N = out_features;
+  const torch::Tensor bias32 = checked_bias32<Math>(x, packed, bias, N, "_linear");
+  const int64_t M = x.size(0), K = x.size(1);
   constexpr bool kFp32 = std::is_same<Panel, Fp32Panel>::value;
   const bool widen = fp32_out && !kFp32;
-  torch::Tensor y = output_for(x, N, widen ? torch::kFloat : x.scalar_type(), out, name);
+  torch::Tensor y = output_for(x, N, widen ? torch::kFloat : x.scalar_type(), out, Math::name);
   if (M == 0) return y;
 #ifdef PAGEDSERVE_HAVE_AVX512_GEMM
   const torch::Tensor x_packed = pack_x<Math>(x);
@@ -290,6 +322,27 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   }
 #endif
   return y;
+}
+
+// Each row's argmax over what linear returns (row_argmax.h), without storing it.
+template <class Math>
+torch::Tensor linear_argmax(const torch::Tensor& x, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias, int64_t out_features) {
+  const int64_t N = out_features;
+  const torch::Tensor bias32 = checked_bias32<Math>(x, packed, bias, N, "_linear_argmax");
+  const int64_t M = x.size(0), K = x.size(1);
+  if (M == 0) return torch::empty({0}, x.options().dtype(torch::kLong));
+#ifdef PAGEDSERVE_HAVE_AVX512_GEMM
+  const torch::Tensor x_packed = pack_x<Math>(x);
+  const auto* xp = reinterpret_cast<const typename Math::X*>(x_packed.data_ptr());
+  const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  const auto* w = values<typename Math::Panel>(packed);
+  return row_argmax::argmax_over_ranges(M, N / kPanel, x.options(), [&](int64_t p0, int64_t p1, row_argmax::Best* best) {
+    panels<Math>(xp, w, b, best, M, K, N, p0, p1);
+  });
+#else
+  return torch::empty({0}, x.options().dtype(torch::kLong));
+#endif
 }
 
 // Rows of W read back from pack_weight's layout (one value per 128-byte step). A tied embedding is
@@ -365,6 +418,20 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor packed, c10::option
 }
 torch::Tensor bf16_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t in_features) {
   return packed_rows<Bf16PairPanel>(packed, ids, in_features);
+}
+
+torch::Tensor fp32_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                                 int64_t out_features) {
+  return linear_argmax<FmaMath<Fp32Panel>>(x, packed, bias, out_features);
+}
+torch::Tensor bf16_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                                 int64_t out_features) {
+  return linear_argmax<FmaMath<Bf16PairPanel>>(x, packed, bias, out_features);
+}
+torch::Tensor bf16_dot_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                                     int64_t out_features) {
+  if (fp32_gemm::native_bf16_dot()) return linear_argmax<DotMath<fp32_gemm::NativeDot>>(x, packed, bias, out_features);
+  return linear_argmax<DotMath<fp32_gemm::EmulatedDot>>(x, packed, bias, out_features);
 }
 
 }  // namespace pagedserve
