@@ -98,3 +98,53 @@ def test_packed_rows_are_the_weight_rows():
         linear.rows(torch.tensor([96]))
     with pytest.raises(RuntimeError, match="int64"):
         linear.rows(torch.tensor([1], dtype=torch.int32))
+
+
+# amx_gated_linear: a gate_up projection and its gated activation in one pass. The oracle is the
+# two-pass path it replaces, the projection (checked above against the exact product) then the
+# C++ silu_and_mul / gelu_tanh_and_mul (checked against torch in test_cpu_layers.py): the same
+# bits, NaN and infinities included.
+@needs_amx
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 33, 64, 100, 512])
+@pytest.mark.parametrize("out_features,in_features", [(64, 32), (192, 64), (3072, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gated_linear_is_the_activation_over_the_projection(activation, rows, out_features, in_features, with_bias):
+    ext = load_extension()
+    w, x = bf16(out_features, in_features, seed=11) * 0.3, bf16(rows, in_features, seed=12)
+    if rows > 3:
+        x[1, 2], x[2, 0], x[3, 5] = float("nan"), float("inf"), -float("inf")
+    bias = bf16(out_features, seed=13) if with_bias else None
+    linear = prepack_linear(w)
+    act_and_mul = ext.silu_and_mul if activation == "silu" else ext.gelu_tanh_and_mul
+    got = linear.gated(x, bias, activation)
+    want = act_and_mul(linear(x, bias))
+    assert got.shape == (rows, out_features // 2) and got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    layer = Linear(w, bias, prepack=prepack_linear)
+    assert torch.equal(layer.act_and_mul(x, activation, act_and_mul).view(torch.int16), want.view(torch.int16))
+
+
+@needs_amx
+def test_gated_linear_checks_its_arguments():
+    ext = load_extension()
+    w = bf16(96, 32, seed=14)
+    packed = ext.amx_pack_weight(w)
+    x = bf16(3, 32, seed=15)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        ext.amx_gated_linear(x, packed, None, 96, "silu")  # 48 gate columns: not whole 32-column groups
+    assert not hasattr(prepack_linear(w), "gated")
+    packed = ext.amx_pack_weight(bf16(128, 32, seed=16))
+    with pytest.raises(RuntimeError, match="'silu' or 'gelu_tanh', got 'relu'"):
+        ext.amx_gated_linear(x, packed, None, 128, "relu")
+    assert ext.amx_gated_linear(x[:0], packed, None, 128, "silu").shape == (0, 64)
+
+
+def test_act_and_mul_falls_back_where_the_kernel_has_no_gated_epilogue():
+    """torch's matmul (here), the other packed kernels and int8 compute the projection and call
+    the given act_and_mul."""
+    w, x = bf16(64, 24, seed=17), bf16(5, 24, seed=18)
+    layer = Linear(w, pack=False)
+    seen = []
+    got = layer.act_and_mul(x, "silu", lambda gate_up: seen.append(gate_up.shape) or gate_up[:, :32] * 2)
+    assert seen == [(5, 64)] and torch.equal(got, layer(x)[:, :32] * 2)

@@ -82,7 +82,9 @@ def test_the_backend_entry_takes_any_logits(dtype):
 
 
 def test_the_engine_samples_greedy_rows_through_the_backend(monkeypatch, tiny_model_dir):
-    """ModelRunner builds its Sampler with the backend's argmax_rows; greedy tokens come from it."""
+    """ModelRunner builds its Sampler with the backend's argmax_rows; greedy tokens the sampler
+    picks come from it (logprobs asked, so the steps take the logits path: greedy-only steps are
+    tests/test_greedy_tokens.py's)."""
     calls = []
 
     def counted(x):
@@ -92,8 +94,10 @@ def test_the_engine_samples_greedy_rows_through_the_backend(monkeypatch, tiny_mo
     monkeypatch.setattr(cpu, "argmax_rows", counted)
     engine = LLMEngine(EngineConfig.from_dict({"model": str(tiny_model_dir("llama")), "dtype": "float32",
                                                "attention_backend": "cpu"}))
-    out = engine.generate([[5, 6, 7], [8, 9]], [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)] * 2)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=0)
+    out = engine.generate([[5, 6, 7], [8, 9]], [params] * 2)
     assert [len(o.token_ids) for o in out] == [3, 3]
+    assert engine.runner.sampler.argmax_rows is counted
     assert calls and all(rows <= 2 for rows, _ in calls)
 
 

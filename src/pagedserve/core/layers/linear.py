@@ -116,3 +116,14 @@ class Linear:
         if fused is not None:
             return fused(x, self.bias)
         return argmax_rows(self.float_out(x))
+
+    def act_and_mul(self, x: torch.Tensor, activation: str,
+                    act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """act_and_mul(self(x)) for a [gate | up] projection (a gated MLP's gate_up): `activation`
+        ("silu" or "gelu_tanh") names what act_and_mul computes. A kernel that applies it to its
+        own outputs (AMX: amx_gated_linear) never stores the [rows, 2 n] projection; the others
+        compute it and call act_and_mul."""
+        fused = getattr(self.kernel, "gated", None)
+        if fused is not None:
+            return fused(x, self.bias, activation)
+        return act_and_mul(self(x))

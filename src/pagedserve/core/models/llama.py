@@ -95,7 +95,9 @@ class LlamaDecoder:
             self.local_rotary = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.local_rope_scaling,
                                                 embed.device, arch.max_position_embeddings, self.dtype)
         self.scale = arch.attn_scale if arch.attn_scale is not None else arch.head_dim**-0.5
-        self.act_and_mul = kernels.gelu_tanh_and_mul if arch.hidden_act == "gelu_pytorch_tanh" else kernels.silu_and_mul
+        gelu = arch.hidden_act == "gelu_pytorch_tanh"
+        self.act_and_mul = kernels.gelu_tanh_and_mul if gelu else kernels.silu_and_mul
+        self.activation = "gelu_tanh" if gelu else "silu"  # act_and_mul's name for Linear.act_and_mul
         # transformers multiplies by a float32 tensor cast to the weight dtype.
         self.embed_scale = (torch.tensor(arch.hidden_size**0.5, dtype=self.dtype, device=self.device)
                             if arch.gemma_norms else None)
@@ -190,7 +192,7 @@ class LlamaDecoder:
             else:
                 x, residual = ops.add_rms_norm(x, residual, w.post_norm, eps)
             if batch.lora is None:
-                x = w.down(self.act_and_mul(w.gate_up(x)))
+                x = w.down(w.gate_up.act_and_mul(x, self.activation, self.act_and_mul))
             else:  # each row adds its own adapter's update to each projection (core/lora/slots.py)
                 gate_up = w.gate_up(x)
                 batch.lora.add(i, "gate_up", x, gate_up)

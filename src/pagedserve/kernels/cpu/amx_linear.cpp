@@ -21,6 +21,9 @@
 // of the bf16 result gives, without that second pass over the output (the LM head's logits).
 // Groups are split across threads; each thread configures its tiles. amx_linear_argmax folds the
 // same rounded values into each row's greedy token instead of storing them (row_argmax.h).
+// amx_gated_linear computes a gate_up projection's gate and up blocks side by side and stores
+// act(gate) * up (the gated MLP's activation, activations.h) instead of both: the [rows, 2 n]
+// output is never written and read back, and the separate elementwise pass disappears.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -29,6 +32,7 @@
 
 #include <cstring>
 
+#include "activations.h"
 #include "amx.h"
 #include "huge_pages.h"
 #include "isa.h"
@@ -131,6 +135,57 @@ PAGEDSERVE_AMX void amx_groups(const uint16_t* x, const uint16_t* xt, int64_t ta
       const int64_t at = r0 * N + g * kGroup;
       write_rows(c, bias == nullptr ? nullptr : bias + g * kGroup, y32 == nullptr ? y + at : nullptr,
                  y32 == nullptr ? nullptr : y32 + at, N, rows);
+    }
+  }
+  _tile_release();
+}
+
+// out[r, 0 .. 32) = act(gate) * up for one 32-row block's gate and up tiles (cg, cu: row stride
+// 32), with silu_and_mul's roundings: gate and up rounded to bf16 as gate_up stores them (after
+// the bias), act(gate) rounded, the product rounded.
+template <class Act>
+PAGEDSERVE_AMX void gated_rows(const float* cg, const float* cu, const uint16_t* bias_g, const uint16_t* bias_u,
+                               uint16_t* y, int64_t ldy, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = 0; h < kGroup; h += 16) {
+      v16sf g = loadv<v16sf>(cg + r * kGroup + h), u = loadv<v16sf>(cu + r * kGroup + h);
+      if (bias_g != nullptr) {
+        g += bf16x16_to_float(bias_g + h);
+        u += bf16x16_to_float(bias_u + h);
+      }
+      g = round_to_bf16x16(g);
+      u = round_to_bf16x16(u);
+      float_to_bf16x16(round_to_bf16x16(Act::vec(g)) * u, y + r * ldy + h);
+    }
+  }
+}
+
+// Gate groups [g0, g1) of amx_gated_linear: group g's gate columns and the matching up columns
+// (group g + n / 32), each streamed from the packed weight in order.
+template <class Act>
+PAGEDSERVE_AMX void amx_gated_groups(const uint16_t* x, const uint16_t* xt, int64_t tail_row0, const uint16_t* w,
+                                     const uint16_t* bias, uint16_t* y, int64_t M, int64_t K, int64_t n, int64_t g0,
+                                     int64_t g1) {
+  configure_tiles();
+  alignas(64) float cg[2 * kTile * kGroup];
+  alignas(64) float cu[2 * kTile * kGroup];
+  const int64_t slices = K / kSlice, up_groups = n / kGroup;
+  const int64_t x_stride = K * 2;
+  auto rows_at = [&](int64_t r0) -> const uint16_t* {
+    return r0 >= tail_row0 ? xt + (r0 - tail_row0) * K : x + r0 * K;
+  };
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint16_t* wg = w + g * slices * 2 * kTileElems;
+    const uint16_t* wu = w + (g + up_groups) * slices * 2 * kTileElems;
+    for (int64_t r0 = 0; r0 < M; r0 += 2 * kTile) {
+      const bool two = r0 + kTile < M;
+      const uint16_t* a1 = two ? rows_at(r0 + kTile) : nullptr;
+      const int64_t prefetch = r0 == 0 ? kPrefetchBytes : 0;
+      amx::block_32x32(rows_at(r0), a1, x_stride, wg, slices, prefetch, cg);
+      amx::block_32x32(rows_at(r0), a1, x_stride, wu, slices, prefetch, cu);
+      const uint16_t* bg = bias == nullptr ? nullptr : bias + g * kGroup;
+      gated_rows<Act>(cg, cu, bg, bias == nullptr ? nullptr : bg + n, y + r0 * n + g * kGroup, n,
+                      std::min<int64_t>(2 * kTile, M - r0));
     }
   }
   _tile_release();
@@ -241,6 +296,35 @@ torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::opti
 #else
   return torch::empty({0}, x.options().dtype(torch::kLong));
 #endif
+}
+
+torch::Tensor amx_gated_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                               int64_t out_features, std::string activation) {
+  const int64_t N = out_features, n = N / 2;
+  const uint16_t* b = checked_bias(x, packed, bias, N, "amx_gated_linear");
+  TORCH_CHECK(n % kGroup == 0, "amx_gated_linear: out_features (gate and up) must be a multiple of ", 2 * kGroup,
+              ", got ", N);
+  const bool silu = activation == "silu";
+  TORCH_CHECK(silu || activation == "gelu_tanh", "amx_gated_linear: activation must be 'silu' or 'gelu_tanh', got '",
+              activation, "'");
+  const int64_t M = x.size(0), K = x.size(1);
+  torch::Tensor y = torch::empty({M, n}, x.options());
+  if (M == 0) return y;
+#ifdef PAGEDSERVE_HAVE_AMX
+  const int64_t tail_row0 = M - M % kTile;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const std::vector<uint16_t> tail = amx::padded_tail(xp, M, K);
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  at::parallel_for(0, n / kGroup, 1, [&](int64_t g0, int64_t g1) {
+    if (silu) {
+      amx_gated_groups<Silu>(xp, tail.data(), tail_row0, w, b, yp, M, K, n, g0, g1);
+    } else {
+      amx_gated_groups<GeluTanh>(xp, tail.data(), tail_row0, w, b, yp, M, K, n, g0, g1);
+    }
+  });
+#endif
+  return y;
 }
 
 // Rows of W read back from amx_pack_weight's layout: row n sits in group n / 32, tile (n % 32) / 16,

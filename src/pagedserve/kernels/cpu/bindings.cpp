@@ -56,6 +56,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear_argmax", &amx_linear_argmax,
         "Each row's argmax (int64 [rows]) over amx_linear's result, which is not stored (greedy decoding).",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
+  m.def("amx_gated_linear", &amx_gated_linear,
+        "act(gate) * up for a gate_up projection on AMX ([gate | up] outputs; activation 'silu' or 'gelu_tanh'), "
+        "as the activation over amx_linear's result gives it, without storing that result.",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"), py::arg("activation"));
   m.def("amx_packed_rows", &amx_packed_rows, "Rows ids of the weight amx_pack_weight packed ([len(ids), in]).",
         py::arg("packed"), py::arg("ids"), py::arg("in_features"));
   m.def("avx512_kernels_available", &avx512_kernels_available,

@@ -41,11 +41,14 @@ class PackedKernel:
     # (x, packed, bias, out_features) -> each row's argmax over `run`'s result, int64 [rows], the
     # outputs never stored (row_argmax.h); None: this kernel has none.
     argmax: str | None = None
+    # (x, packed, bias, out_features, activation) -> act(gate) * up for a [gate | up] projection,
+    # `run`'s result never stored; None: this kernel has none.
+    gated: str | None = None
 
 
 # Outputs in groups of 32 columns, inputs in slices of 32 (two 16 x 32 bf16 tiles).
 AMX_BF16 = PackedKernel("amx_linear_available", "amx_pack_weight", "amx_linear", "amx_packed_rows", 32, 32,
-                        argmax="amx_linear_argmax")
+                        argmax="amx_linear_argmax", gated="amx_gated_linear")
 # Outputs in panels of 32 columns (two zmm registers); any number of inputs.
 AVX512_FP32 = PackedKernel("avx512_kernels_available", "fp32_pack_weight", "fp32_linear", "fp32_packed_rows", 32, 1,
                            argmax="fp32_linear_argmax")
@@ -172,6 +175,15 @@ def packed_linear(kernel: PackedKernel, weight: Tensor) -> Callable[[Tensor, Ten
             return run_argmax(x if x.is_contiguous() else x.contiguous(), packed, bias, out_features)
 
         linear.argmax = argmax  # type: ignore[attr-defined]
+    if kernel.gated is not None and out_features % (2 * kernel.out_multiple) == 0:
+        run_gated = getattr(ext, kernel.gated)
+
+        def gated(x: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+            """act(gate) * up ("silu" or "gelu_tanh") for this layer as a [gate | up] projection:
+            what silu_and_mul / gelu_tanh_and_mul over linear(x, bias) gives, that result never stored."""
+            return run_gated(x if x.is_contiguous() else x.contiguous(), packed, bias, out_features, activation)
+
+        linear.gated = gated  # type: ignore[attr-defined]
     linear.packed = packed  # type: ignore[attr-defined]  # for tests and memory accounting
     linear.kernel = kernel  # type: ignore[attr-defined]
     linear.rows = rows  # type: ignore[attr-defined]

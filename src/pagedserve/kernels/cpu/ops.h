@@ -79,6 +79,11 @@ torch::Tensor amx_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t i
 // have returned it, int64 [rows], without storing the outputs (row_argmax.h: greedy decoding).
 torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                                 int64_t out_features);
+// A gate_up projection ([gate | up] outputs, out_features = 2 n) followed by its gated activation
+// ("silu" or "gelu_tanh"): act(gate) * up [rows, n], as silu_and_mul / gelu_tanh_and_mul over
+// amx_linear's result would give it, without storing that result.
+torch::Tensor amx_gated_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                               int64_t out_features, std::string activation);
 
 // simd_linear.cpp
 bool avx512_kernels_available();  // fp32_*/bf16_* linear and paged_prefill_attention (AVX-512 F, BW)
