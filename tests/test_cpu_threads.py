@@ -333,7 +333,7 @@ def test_a_neighbour_that_appears_during_a_step_is_answered_within_the_step(tiny
         torch.set_num_threads(before)
     assert changes, "the neighbour was never noticed"
     threads, stack = changes[0]
-    assert threads == 1 and "forward" in stack, stack  # inside the model's forward, after a layer
+    assert threads == 1 and "final_hidden" in stack, stack  # inside the model's layers, after one
 
 
 def test_only_the_named_compute_threads_waiting_counts(tmp_path):
