@@ -154,7 +154,7 @@ class Sampler:
         """Whether __call__ would return argmax_rows(logits) for these rows and nothing else: every
         row greedy, without logit_bias, penalties, logprobs, bad_words, or a min_tokens ban this
         step. The runner then asks the model for the tokens alone (LlamaDecoder.greedy_tokens),
-        and an LM head that can never stores the logits."""
+        and an LM head kernel that folds the argmax never stores the logits."""
         for p, output, eos in zip(params, output_token_ids, eos_token_ids):
             if not p.greedy or p.logit_bias or p.uses_penalties or p.logprobs is not None or p.bad_words_token_ids:
                 return False

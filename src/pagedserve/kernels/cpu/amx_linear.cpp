@@ -238,7 +238,7 @@ torch::Tensor amx_pack_weight(torch::Tensor weight) {
 
 namespace {
 
-// amx_linear's and amx_linear_argmax's checks; the bias as a pointer (null: none).
+// The checks amx_linear, amx_linear_argmax and amx_gated_linear share; the bias as a pointer (null: none).
 const uint16_t* checked_bias(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                              int64_t N, const char* name) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(), name,

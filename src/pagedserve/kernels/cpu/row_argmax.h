@@ -1,8 +1,9 @@
 // Greedy decoding's argmax taken inside the LM head (amx_linear.cpp, simd_linear.cpp: the
 // *_linear_argmax entry points): each thread folds the logits of its own column range into a
 // running best per row as they leave the register tiles, so the [rows, vocab] logits are never
-// written or read back. At 64 rows Gemma 3's 262,144-word logits are 67 MB of fp32: writing them
-// and reading them back for the argmax took ~7 ms of a ~65 ms decode step on a 2-core AMX Xeon.
+// written or read back. At 64 rows Gemma 3's 262,144-word logits are 67 MB of fp32: its LM head
+// plus argmax_rows took 23.5 ms (bf16, AMX) and 82.3 ms (fp32) on a 2-core AMX Xeon, the fold 19.3
+// and 70.9 ms.
 //
 // The rule is argmax_rows.cpp's, torch's max(dim=-1).indices: the first of equal maxima, and in a
 // row holding a NaN its first NaN. Values are folded exactly as the plain kernel would have stored
