@@ -74,17 +74,27 @@ PAGEDSERVE_AMX inline void block_32x32(const uint16_t* a0, const uint16_t* a1, i
   }
 }
 
-// The rows of x [M, K] past its last whole 16-row tile, zero-padded to 16 rows (empty when M is
-// a multiple of 16), so that no tile load reads past x.
-inline std::vector<uint16_t> padded_tail(const uint16_t* x, int64_t M, int64_t K) {
-  const int64_t tail_row0 = M - M % kTileRows;
-  std::vector<uint16_t> tail;
-  if (tail_row0 < M) {
-    tail.assign(static_cast<size_t>(kTileRows * K), 0);
-    std::memcpy(tail.data(), x + tail_row0 * K, (M - tail_row0) * K * sizeof(uint16_t));
+// x [M, K] bf16 as tile loads read it: at(r0) is 16 rows from row r0, taken from x, or for the
+// last partial tile (when M is not a multiple of 16) from a zero-padded copy of its rows, so that
+// no tile load reads past x. No copy and no allocation when M is a multiple of 16.
+class PaddedRows {
+ public:
+  PaddedRows(const uint16_t* x, int64_t M, int64_t K) : x_(x), K_(K), tail_row0_(M - M % kTileRows) {
+    if (tail_row0_ < M) {
+      tail_.assign(static_cast<size_t>(kTileRows * K), 0);
+      std::memcpy(tail_.data(), x + tail_row0_ * K, (M - tail_row0_) * K * sizeof(uint16_t));
+    }
   }
-  return tail;
-}
+  const uint16_t* at(int64_t r0) const {
+    return r0 >= tail_row0_ ? tail_.data() + (r0 - tail_row0_) * K_ : x_ + r0 * K_;
+  }
+
+ private:
+  const uint16_t* x_;
+  int64_t K_;
+  int64_t tail_row0_;
+  std::vector<uint16_t> tail_;
+};
 
 }  // namespace amx
 }  // namespace pagedserve

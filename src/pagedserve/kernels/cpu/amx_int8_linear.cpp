@@ -66,10 +66,10 @@ PAGEDSERVE_AMX void write_scaled_rows(const float* c, const float* scale, const 
   }
 }
 
-// Panels [p0, p1) of y for x [M, K] (rows padded: xt holds the last partial tile).
-PAGEDSERVE_AMX void amx_int8_panels(const uint16_t* x, const uint16_t* xt, int64_t tail_row0, const int8_t* q,
-                                    const float* scales, const uint16_t* bias, uint16_t* y, int64_t M, int64_t K,
-                                    int64_t N, int64_t p0, int64_t p1) {
+// Panels [p0, p1) of y for x [M, K].
+PAGEDSERVE_AMX void amx_int8_panels(const amx::PaddedRows& x, const int8_t* q, const float* scales,
+                                    const uint16_t* bias, uint16_t* y, int64_t M, int64_t K, int64_t N, int64_t p0,
+                                    int64_t p1) {
   amx::configure_tiles();
   const int64_t slices = K / kSlice;
   // One panel's widened tiles (K x 32 bf16: 36 KB at K = 576), aligned for the 64-byte stores.
@@ -77,14 +77,11 @@ PAGEDSERVE_AMX void amx_int8_panels(const uint16_t* x, const uint16_t* xt, int64
   uint16_t* tiles = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
   alignas(64) float c[2 * kTileRows * kPanel];
   const int64_t x_stride = K * 2;
-  auto rows_at = [&](int64_t r0) -> const uint16_t* {
-    return r0 >= tail_row0 ? xt + (r0 - tail_row0) * K : x + r0 * K;
-  };
   for (int64_t p = p0; p < p1; ++p) {
     widen_panel(q + p * K * kPanel, K, tiles);
     for (int64_t r0 = 0; r0 < M; r0 += 2 * kTileRows) {
       const bool two = r0 + kTileRows < M;
-      amx::block_32x32(rows_at(r0), two ? rows_at(r0 + kTileRows) : nullptr, x_stride, tiles, slices, 0, c);
+      amx::block_32x32(x.at(r0), two ? x.at(r0 + kTileRows) : nullptr, x_stride, tiles, slices, 0, c);
       const int64_t rows = std::min<int64_t>(2 * kTileRows, M - r0);
       write_scaled_rows(c, scales + p * kPanel, bias == nullptr ? nullptr : bias + p * kPanel,
                         y + r0 * N + p * kPanel, N, rows);
@@ -120,14 +117,12 @@ torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
   torch::Tensor y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
 #ifdef PAGEDSERVE_HAVE_AMX
-  const int64_t tail_row0 = M - M % kTileRows;
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const std::vector<uint16_t> tail = amx::padded_tail(xp, M, K);
+  const amx::PaddedRows rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K);
   const int8_t* q = packed.data_ptr<int8_t>();
   const float* sc = scales.data_ptr<float>();
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   at::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) {
-    amx_int8_panels(xp, tail.data(), tail_row0, q, sc, b, yp, M, K, N, p0, p1);
+    amx_int8_panels(rows, q, sc, b, yp, M, K, N, p0, p1);
   });
 #endif
   return y;

@@ -107,25 +107,21 @@ PAGEDSERVE_AMX void fold_rows(const float* c, const uint16_t* bias, row_argmax::
   }
 }
 
-// Groups [g0, g1) of y = x @ W^T for x [M, K] (rows padded: xt holds the last partial tile), into
-// y (bf16) or, when y32 is not null, into y32 (the same values widened to fp32); when best is not
-// null, folded into best[0 .. M) instead.
-PAGEDSERVE_AMX void amx_groups(const uint16_t* x, const uint16_t* xt, int64_t tail_row0, const uint16_t* w,
-                               const uint16_t* bias, uint16_t* y, float* y32, row_argmax::Best* best, int64_t M,
-                               int64_t K, int64_t N, int64_t g0, int64_t g1) {
+// Groups [g0, g1) of y = x @ W^T for x [M, K], into y (bf16) or, when y32 is not null, into y32
+// (the same values widened to fp32); when best is not null, folded into best[0 .. M) instead.
+PAGEDSERVE_AMX void amx_groups(const amx::PaddedRows& x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
+                               float* y32, row_argmax::Best* best, int64_t M, int64_t K, int64_t N, int64_t g0,
+                               int64_t g1) {
   configure_tiles();
   alignas(64) float c[2 * kTile * kGroup];
   const int64_t slices = K / kSlice;
   const int64_t x_stride = K * 2;  // bytes between rows of x
-  auto rows_at = [&](int64_t r0) -> const uint16_t* {  // 16 rows of x from row r0, padded if short
-    return r0 >= tail_row0 ? xt + (r0 - tail_row0) * K : x + r0 * K;
-  };
   for (int64_t g = g0; g < g1; ++g) {
     const uint16_t* wg = w + g * slices * 2 * kTileElems;
     for (int64_t r0 = 0; r0 < M; r0 += 2 * kTile) {
       const bool two = r0 + kTile < M;
       // Later row blocks find the group's tiles in L1/L2: only the first prefetches.
-      amx::block_32x32(rows_at(r0), two ? rows_at(r0 + kTile) : nullptr, x_stride, wg, slices,
+      amx::block_32x32(x.at(r0), two ? x.at(r0 + kTile) : nullptr, x_stride, wg, slices,
                        r0 == 0 ? kPrefetchBytes : 0, c);
       const int64_t rows = std::min<int64_t>(2 * kTile, M - r0);
       if (best != nullptr) {
@@ -163,26 +159,22 @@ PAGEDSERVE_AMX void gated_rows(const float* cg, const float* cu, const uint16_t*
 // Gate groups [g0, g1) of amx_gated_linear: group g's gate columns and the matching up columns
 // (group g + n / 32), each streamed from the packed weight in order.
 template <class Act>
-PAGEDSERVE_AMX void amx_gated_groups(const uint16_t* x, const uint16_t* xt, int64_t tail_row0, const uint16_t* w,
-                                     const uint16_t* bias, uint16_t* y, int64_t M, int64_t K, int64_t n, int64_t g0,
-                                     int64_t g1) {
+PAGEDSERVE_AMX void amx_gated_groups(const amx::PaddedRows& x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
+                                     int64_t M, int64_t K, int64_t n, int64_t g0, int64_t g1) {
   configure_tiles();
   alignas(64) float cg[2 * kTile * kGroup];
   alignas(64) float cu[2 * kTile * kGroup];
   const int64_t slices = K / kSlice, up_groups = n / kGroup;
   const int64_t x_stride = K * 2;
-  auto rows_at = [&](int64_t r0) -> const uint16_t* {
-    return r0 >= tail_row0 ? xt + (r0 - tail_row0) * K : x + r0 * K;
-  };
   for (int64_t g = g0; g < g1; ++g) {
     const uint16_t* wg = w + g * slices * 2 * kTileElems;
     const uint16_t* wu = w + (g + up_groups) * slices * 2 * kTileElems;
     for (int64_t r0 = 0; r0 < M; r0 += 2 * kTile) {
       const bool two = r0 + kTile < M;
-      const uint16_t* a1 = two ? rows_at(r0 + kTile) : nullptr;
+      const uint16_t* a1 = two ? x.at(r0 + kTile) : nullptr;
       const int64_t prefetch = r0 == 0 ? kPrefetchBytes : 0;
-      amx::block_32x32(rows_at(r0), a1, x_stride, wg, slices, prefetch, cg);
-      amx::block_32x32(rows_at(r0), a1, x_stride, wu, slices, prefetch, cu);
+      amx::block_32x32(x.at(r0), a1, x_stride, wg, slices, prefetch, cg);
+      amx::block_32x32(x.at(r0), a1, x_stride, wu, slices, prefetch, cu);
       const uint16_t* bg = bias == nullptr ? nullptr : bias + g * kGroup;
       gated_rows<Act>(cg, cu, bg, bias == nullptr ? nullptr : bg + n, y + r0 * n + g * kGroup, n,
                       std::min<int64_t>(2 * kTile, M - r0));
@@ -264,16 +256,12 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   torch::Tensor y = output_for(x, N, fp32_out ? torch::kFloat : torch::kBFloat16, out, "amx_linear");
   if (M == 0) return y;
 #ifdef PAGEDSERVE_HAVE_AMX
-  // The rows of the last 16-row tile, zero-padded to 16, when M is not a multiple of 16 (no copy,
-  // and no allocation on this per-projection path, when it is: rows_at never reads the tail then).
-  const int64_t tail_row0 = M - M % kTile;
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const std::vector<uint16_t> tail = amx::padded_tail(xp, M, K);
+  const amx::PaddedRows rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   uint16_t* yp = fp32_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr());
   float* y32 = fp32_out ? y.data_ptr<float>() : nullptr;
   at::parallel_for(0, N / kGroup, 1, [&](int64_t g0, int64_t g1) {
-    amx_groups(xp, tail.data(), tail_row0, w, b, yp, y32, nullptr, M, K, N, g0, g1);
+    amx_groups(rows, w, b, yp, y32, nullptr, M, K, N, g0, g1);
   });
 #endif
   return y;
@@ -286,12 +274,10 @@ torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::opti
   const int64_t M = x.size(0), K = x.size(1);
   if (M == 0) return torch::empty({0}, x.options().dtype(torch::kLong));
 #ifdef PAGEDSERVE_HAVE_AMX
-  const int64_t tail_row0 = M - M % kTile;
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const std::vector<uint16_t> tail = amx::padded_tail(xp, M, K);
+  const amx::PaddedRows rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   return row_argmax::argmax_over_ranges(M, N / kGroup, x.options(), [&](int64_t g0, int64_t g1, row_argmax::Best* best) {
-    amx_groups(xp, tail.data(), tail_row0, w, b, nullptr, nullptr, best, M, K, N, g0, g1);
+    amx_groups(rows, w, b, nullptr, nullptr, best, M, K, N, g0, g1);
   });
 #else
   return torch::empty({0}, x.options().dtype(torch::kLong));
@@ -311,16 +297,14 @@ torch::Tensor amx_gated_linear(torch::Tensor x, torch::Tensor packed, c10::optio
   torch::Tensor y = torch::empty({M, n}, x.options());
   if (M == 0) return y;
 #ifdef PAGEDSERVE_HAVE_AMX
-  const int64_t tail_row0 = M - M % kTile;
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const std::vector<uint16_t> tail = amx::padded_tail(xp, M, K);
+  const amx::PaddedRows rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   at::parallel_for(0, n / kGroup, 1, [&](int64_t g0, int64_t g1) {
     if (silu) {
-      amx_gated_groups<Silu>(xp, tail.data(), tail_row0, w, b, yp, M, K, n, g0, g1);
+      amx_gated_groups<Silu>(rows, w, b, yp, M, K, n, g0, g1);
     } else {
-      amx_gated_groups<GeluTanh>(xp, tail.data(), tail_row0, w, b, yp, M, K, n, g0, g1);
+      amx_gated_groups<GeluTanh>(rows, w, b, yp, M, K, n, g0, g1);
     }
   });
 #endif
