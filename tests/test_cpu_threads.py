@@ -318,7 +318,7 @@ def test_a_neighbour_that_appears_during_a_step_is_answered_within_the_step(tiny
     def recording_set_threads(n):
         changes.append((n, [f.function for f in inspect.stack()]))
 
-    def governor(plan, set_threads, compute_threads_named=False):
+    def governor(plan, set_threads, compute_threads_named=False, helper=None):
         return ThreadGovernor(plan, recording_set_threads, cpus=[0, 1], interval=0.0, sample=sample)
 
     monkeypatch.setattr(engine_module, "thread_plan", lambda: ThreadPlan(2, True, "test"))
@@ -371,3 +371,50 @@ def test_an_engine_thread_names_itself_and_its_openmp_workers_inherit_the_name()
     assert not name_compute_threads()  # the main thread keeps the process's name
     if len(os.sched_getaffinity(0)) >= 2:
         assert len(names["workers"]) >= 1  # the team's second thread
+
+
+class FakeHelper:
+    """core/helper_thread.HelperThread as the governor uses it; `free` is what its look reports."""
+
+    def __init__(self) -> None:
+        self.active = self.free = False
+        self.calls: list[str] = []
+
+    def start(self) -> None:
+        self.active = True
+        self.calls.append("start")
+
+    def stop(self) -> None:
+        if self.active:
+            self.calls.append("stop")
+        self.active = False
+
+    def look(self) -> bool:
+        return self.free
+
+
+def test_at_one_thread_the_kernels_helper_runs_and_stops_before_a_team_of_two_starts():
+    host, helper = FakeHost(), FakeHelper()
+    gov = ThreadGovernor(ThreadPlan(2, True, "test"), lambda n: host.set_calls.append((n, helper.active)), cpus=[0, 1],
+                         interval=0.5, sample=lambda cpus: Sample(host.now, host.waited, host.idle, host.throttled),
+                         helper=helper)
+    assert host.step(gov, waiting=0.8) == 1  # a neighbour: one thread, and the helper beside it
+    assert helper.calls == ["start"] and helper.active
+    assert host.step(gov, waiting=0.5) == 1  # the helper waits beside the neighbour: stays
+    helper.free = True  # neither the engine thread nor the helper waited: the neighbour left
+    assert host.step(gov, waiting=0.0) == 2
+    # The helper stopped (and the engine thread was unpinned) before the team of two was asked for.
+    assert helper.calls == ["start", "stop"] and host.set_calls == [(1, False), (2, False)]
+    helper.free = False
+    assert host.step(gov, waiting=0.8) == 1 and helper.calls[-1] == "start"
+    host.step(gov, seconds=31.0)  # the periodic try at two threads stops the helper too
+    assert gov.threads == 2 and helper.calls[-1] == "stop" and not helper.active
+
+
+def test_an_operator_count_never_starts_the_helper():
+    host, helper = FakeHost(), FakeHelper()
+    gov = ThreadGovernor(ThreadPlan(2, False, "test"), host.set_calls.append, cpus=[0, 1], interval=0.5,
+                         sample=lambda cpus: Sample(host.now, host.waited, host.idle, host.throttled), helper=helper)
+    host.step(gov, waiting=0.9)
+    host.step(gov, waiting=0.9)
+    assert gov.threads == 2 and helper.calls == []

@@ -6,13 +6,15 @@ import dataclasses
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from pagedserve.core.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
-from pagedserve.core.cpu_threads import ThreadPlan, thread_plan
+from pagedserve.core.cpu_threads import ThreadPlan, allowed_cpus, thread_plan
+from pagedserve.core.helper_thread import HelperThread
 from pagedserve.core.thread_governor import ThreadGovernor, name_compute_threads
 from pagedserve.core.errors import ConfigError, DuplicateRequest, InvalidRequest, LoRANotEnabled
 from pagedserve.core.kv_cache.cache_tensors import KVCacheSpec, make_kv_cache_spec
@@ -175,7 +177,10 @@ class LLMEngine:
         torch.set_num_threads(plan.start)
         logger.info("compute threads: %d (%s)%s", plan.start, plan.why,
                     "; adjusted to the cores other work leaves" if plan.adaptive and plan.start > 1 else "")
-        return ThreadGovernor(plan, torch.set_num_threads, compute_threads_named=named)
+        helper = HelperThread.for_this_process(allowed_cpus()) if plan.adaptive and plan.start > 1 else None
+        if helper is not None:  # an engine dropped while at one thread leaves no pinned thread behind
+            weakref.finalize(self, helper.stop)
+        return ThreadGovernor(plan, torch.set_num_threads, compute_threads_named=named, helper=helper)
 
     def _max_chunk_tokens(self) -> int:
         """Most tokens one sample computes in a step (what a sliding-window group holds beyond its window)."""

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from pagedserve.core.cpu_threads import ThreadPlan, allowed_cpus, cgroup_throttled_seconds
+from pagedserve.core.helper_thread import HelperThread
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ class ThreadGovernor:
     def __init__(self, plan: ThreadPlan, set_threads: Callable[[int], None], *,
                  cpus: list[int] | None = None, interval: float = INTERVAL_S,
                  sample: Callable[[list[int]], Sample | None] | None = None,
-                 compute_threads_named: bool = False) -> None:
+                 compute_threads_named: bool = False, helper: HelperThread | None = None) -> None:
         if sample is None:
             name = COMPUTE_THREAD_NAME if compute_threads_named else None
             sample = lambda cpus: read_sample(cpus, name)  # noqa: E731
@@ -157,6 +158,7 @@ class ThreadGovernor:
         self._waited = False  # the previous look saw WAIT_LIMIT or more
         self._last = self._sample() if self.enabled else None
         self._next_probe = self._last.at + self._probe_wait if self._last else 0.0
+        self._helper = helper if self.enabled else None
 
     def _sample(self) -> Sample | None:
         s = self._read(self._cpus)
@@ -183,7 +185,10 @@ class ThreadGovernor:
         self._last = current
         logger.debug("compute threads %d: waiting %.2f, idle %.2f CPUs", self.threads, waiting, idle)
         waited_before, self._waited = self._waited, waiting >= WAIT_LIMIT
-        if self._waited and (waited_before or self._probing or waiting >= CLEAR_WAIT) and self.threads > 1:
+        if self._helper is not None and self._helper.active and self._helper.look():
+            self._probe_wait = PROBE_S
+            self._change(self.threads + 1, "the kernel helper's core came free")
+        elif self._waited and (waited_before or self._probing or waiting >= CLEAR_WAIT) and self.threads > 1:
             if self._probing:  # the extra thread found no free core: try again later
                 self._probe_wait = min(PROBE_MAX_S, 2 * self._probe_wait)
             self._change(self.threads - 1, f"threads waited {waiting:.2f} CPUs' worth for a CPU")
@@ -201,6 +206,12 @@ class ThreadGovernor:
 
     def _change(self, threads: int, why: str) -> None:
         logger.info("compute threads %d -> %d: %s over the last %.1f s", self.threads, threads, why, self._interval)
+        # One thread beside a busy core: the kernels share with the helper. It stops (and the engine
+        # thread is unpinned) before a team of more starts: new OpenMP workers inherit the pin.
+        if self._helper is not None and threads > 1:
+            self._helper.stop()
         self._set_threads(threads)
         self.threads = threads
         self.changes += 1
+        if self._helper is not None and threads == 1:
+            self._helper.start()

@@ -39,6 +39,7 @@
 #include "ops.h"
 #include "row_argmax.h"
 #include "vec.h"
+#include "work_share.h"
 
 namespace pagedserve {
 namespace {
@@ -260,6 +261,15 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   uint16_t* yp = fp32_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr());
   float* y32 = fp32_out ? y.data_ptr<float>() : nullptr;
+  if (work_share::sharing()) {
+    // The lambda holds x (rows points into it), the weights and the bias: the helper may run it late.
+    work_share::run_columns(N / kGroup, kGroup, y.data_ptr(), M, N, y.element_size(),
+                            [rows, x, packed, bias, w, b, fp32_out, M, K, N](int64_t g0, int64_t g1, void* dst) {
+                              amx_groups(rows, w, b, fp32_out ? nullptr : static_cast<uint16_t*>(dst),
+                                         fp32_out ? static_cast<float*>(dst) : nullptr, nullptr, M, K, N, g0, g1);
+                            });
+    return y;
+  }
   at::parallel_for(0, N / kGroup, 1, [&](int64_t g0, int64_t g1) {
     amx_groups(rows, w, b, yp, y32, nullptr, M, K, N, g0, g1);
   });
@@ -276,9 +286,12 @@ torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::opti
 #ifdef PAGEDSERVE_HAVE_AMX
   const amx::PaddedRows rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  return row_argmax::argmax_over_ranges(M, N / kGroup, x.options(), [&](int64_t g0, int64_t g1, row_argmax::Best* best) {
-    amx_groups(rows, w, b, nullptr, nullptr, best, M, K, N, g0, g1);
-  });
+  // By value, x and the weights with it: under work_share.h the helper may run the fold late.
+  return row_argmax::argmax_over_ranges(
+      M, N / kGroup, x.options(),
+      [rows, x, packed, bias, w, b, M, K, N](int64_t g0, int64_t g1, row_argmax::Best* best) {
+        amx_groups(rows, w, b, nullptr, nullptr, best, M, K, N, g0, g1);
+      });
 #else
   return torch::empty({0}, x.options().dtype(torch::kLong));
 #endif
@@ -300,13 +313,20 @@ torch::Tensor amx_gated_linear(torch::Tensor x, torch::Tensor packed, c10::optio
   const amx::PaddedRows rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  at::parallel_for(0, n / kGroup, 1, [&](int64_t g0, int64_t g1) {
+  // By value, x and the weights with it: under work_share.h the helper may run it late.
+  auto groups = [rows, x, packed, bias, w, b, silu, M, K, n](int64_t g0, int64_t g1, void* dst) {
+    uint16_t* out = static_cast<uint16_t*>(dst);
     if (silu) {
-      amx_gated_groups<Silu>(rows, w, b, yp, M, K, n, g0, g1);
+      amx_gated_groups<Silu>(rows, w, b, out, M, K, n, g0, g1);
     } else {
-      amx_gated_groups<GeluTanh>(rows, w, b, yp, M, K, n, g0, g1);
+      amx_gated_groups<GeluTanh>(rows, w, b, out, M, K, n, g0, g1);
     }
-  });
+  };
+  if (work_share::sharing()) {
+    work_share::run_columns(n / kGroup, kGroup, yp, M, n, sizeof(uint16_t), groups);
+    return y;
+  }
+  at::parallel_for(0, n / kGroup, 1, [&](int64_t g0, int64_t g1) { groups(g0, g1, yp); });
 #endif
   return y;
 }

@@ -1,5 +1,6 @@
 // Python bindings of the CPU kernels (the module torch.utils.cpp_extension builds, see build.py).
 #include "ops.h"
+#include "work_share.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace pagedserve;
@@ -113,4 +114,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ (q * scales)^T (+ bias) for fp32 or bf16 x over int8 weights in fp32 math on AVX2 with FMA.",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("out_features"),
         py::arg("group_size"));
+  m.def("work_share_set_helper", &work_share::set_helper,
+        "Turns the linear kernels' helper thread on for the calling thread (pinned to helper_cpu; < 0: unpinned) or "
+        "off; returns its thread id (work_share.h).",
+        py::arg("on"), py::arg("helper_cpu"));
+  m.def("work_share_stats", &work_share::helper_stats,
+        "[helper thread id, chunks the helper committed, chunks the engine thread took back].");
+  m.def("work_share_set_test_delay_us", &work_share::set_helper_test_delay_us,
+        "Tests: the helper sleeps this long after claiming each chunk, as if descheduled.", py::arg("us"));
 }

@@ -25,12 +25,14 @@
 #include <ATen/Parallel.h>
 
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
 #include "ops.h"
 #include "vec.h"
 #include "vec_avx2.h"
+#include "work_share.h"
 
 namespace pagedserve {
 namespace {
@@ -510,6 +512,110 @@ std::vector<int64_t> balance(const std::vector<WorkItem>& items, int64_t threads
   return bounds;
 }
 
+// One call's state, held by value (and its tensors kept alive): under work_share.h the helper may
+// attend its items after the call returned, into its scratch only.
+struct DecodeCall {
+  std::vector<WorkItem> items;
+  std::vector<float> parts;  // split items' partial results, part_size floats each
+  std::vector<torch::Tensor> keep;
+  AttendFn attend;
+  bool lane_order, bf16_io;
+  Geometry g;
+  Source k, v;
+  const int32_t* starts;
+  const int32_t* bt;
+  int64_t max_blocks, num_heads, head_dim, HD, part_size, scores_size, tmp_size;
+  float scale;
+
+  void read_query(int64_t row, float* q, float* scratch) const {
+    float* dst = lane_order ? scratch : q;
+    if (bf16_io) {
+      const uint16_t* qs = reinterpret_cast<const uint16_t*>(keep[1].data_ptr()) + row * HD;
+      for (int64_t j = 0; j < HD; ++j) dst[j] = bf16_to_float(qs[j]);
+    } else {
+      std::memcpy(dst, keep[1].data_ptr<float>() + row * HD, HD * sizeof(float));
+    }
+    if (lane_order) to_lane_order(scratch, q, HD);
+  }
+
+  // out[row] = acc / l per head (acc in the kernel's order).
+  void write_row(int64_t row, const float* acc, const float* l, float* scratch, float* result) const {
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const float inv = 1.f / l[h];
+      for (int64_t d = 0; d < head_dim; ++d) scratch[h * head_dim + d] = acc[h * head_dim + d] * inv;
+    }
+    const float* values = scratch;
+    if (lane_order) {
+      from_lane_order(scratch, result, HD);
+      values = result;
+    }
+    if (bf16_io) {
+      uint16_t* o = reinterpret_cast<uint16_t*>(keep[0].data_ptr()) + row * HD;
+      for (int64_t i = 0; i < HD; ++i) o[i] = float_to_bf16(values[i]);
+    } else {
+      std::memcpy(keep[0].data_ptr<float>() + row * HD, values, HD * sizeof(float));
+    }
+  }
+
+  // Items [i0, i1): into their out rows or parts (to null), or each item's partial result into
+  // to + (i - i0) * part_size (the helper's scratch).
+  void attend_items(int64_t i0, int64_t i1, float* to) {
+    std::vector<float> q(HD), scratch(HD), result(HD), own(part_size), scores(scores_size), tmp(tmp_size);
+    for (int64_t i = i0; i < i1; ++i) {
+      const WorkItem& it = items[i];
+      float* p = to != nullptr ? to + (i - i0) * part_size : it.part >= 0 ? parts.data() + it.part * part_size : own.data();
+      const Partial st{p, p + num_heads, p + 2 * num_heads};
+      std::fill(st.m, st.m + num_heads, kNegInf);
+      std::fill(st.l, st.l + num_heads, 0.f);
+      std::fill(st.acc, st.acc + HD, 0.f);
+      read_query(starts[it.seq], q.data(), scratch.data());
+      attend(q.data(), k, v, bt + it.seq * max_blocks, it.first, it.last, g, scale, scores.data(), tmp.data(), st);
+      if (to == nullptr && it.part < 0) write_row(starts[it.seq], st.acc, st.l, scratch.data(), result.data());
+    }
+  }
+
+  // The helper's partial results of items [i0, i1) into parts or out.
+  void commit_items(int64_t i0, int64_t i1, const float* from) {
+    std::vector<float> scratch(HD), result(HD);
+    for (int64_t i = i0; i < i1; ++i) {
+      const WorkItem& it = items[i];
+      const float* p = from + (i - i0) * part_size;
+      if (it.part >= 0) {
+        std::memcpy(parts.data() + it.part * part_size, p, part_size * sizeof(float));
+      } else {
+        write_row(starts[it.seq], p + 2 * num_heads, p + num_heads, scratch.data(), result.data());
+      }
+    }
+  }
+
+  // Each split sequence's parts (its items are consecutive) merged by log-sum-exp into its out row.
+  void merge_parts() {
+    std::vector<float> merged(part_size), scratch(HD), result(HD);
+    for (size_t i = 0; i < items.size();) {
+      size_t end = i + 1;
+      while (end < items.size() && items[end].seq == items[i].seq) ++end;
+      if (items[i].part >= 0) {
+        float* l = merged.data() + num_heads;
+        float* acc = merged.data() + 2 * num_heads;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          float m_all = kNegInf;
+          for (size_t j = i; j < end; ++j) m_all = std::max(m_all, parts[items[j].part * part_size + h]);
+          l[h] = 0.f;
+          std::fill(acc + h * head_dim, acc + (h + 1) * head_dim, 0.f);
+          for (size_t j = i; j < end; ++j) {
+            const float* p = parts.data() + items[j].part * part_size;
+            const float w = std::exp(p[h] - m_all);
+            l[h] += p[num_heads + h] * w;
+            for (int64_t d = 0; d < head_dim; ++d) acc[h * head_dim + d] += p[2 * num_heads + h * head_dim + d] * w;
+          }
+        }
+        write_row(starts[items[i].seq], acc, l, scratch.data(), result.data());
+      }
+      i = end;
+    }
+  }
+};
+
 }  // namespace
 
 bool force_avx2_vector_code(bool force) {
@@ -567,13 +673,14 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
     }
   }
   if (decode_seqs.empty()) return;
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  std::vector<WorkItem> items;
-  const int64_t num_parts = make_items(decode_seqs, lens, sliding_window, block_size, 4 * threads, &items);
-  const std::vector<int64_t> bounds = balance(items, threads);
+  // Beside the helper thread (work_share.h) the items are cut as for two threads and claimed in
+  // chunks; else dealt in contiguous runs, one per thread.
+  const bool shared = work_share::sharing();
+  const int64_t threads = shared ? 2 : std::max<int64_t>(1, at::get_num_threads());
+  auto call = std::make_shared<DecodeCall>();
+  DecodeCall& c = *call;
+  const int64_t num_parts = make_items(decode_seqs, lens, sliding_window, block_size, 4 * threads, &c.items);
 
-  const Geometry g{block_size, num_kv_heads, num_heads / num_kv_heads, head_dim, num_kv_heads * head_dim,
-                   static_cast<float>(softcap)};
   static const AttendFn kernels[4][4] = {{attend_any_fp32, attend_any_bf16, attend_any_int8, attend_any_fp8},
                                          {attend64_fp32, attend64_bf16, attend64_int8, attend64_fp8},
                                          {attend128_fp32, attend128_bf16, attend128_int8, attend128_fp8},
@@ -588,88 +695,44 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   static const AttendFn(&avx2_kernels)[4][4] = kernels;
 #endif
   const int64_t variant = head_dim == 64 ? 1 : head_dim == 128 ? 2 : head_dim == 256 ? 3 : 0;
-  const AttendFn attend = (avx2_vector_entries() ? avx2_kernels : kernels)[variant][kind];
+  c.attend = (avx2_vector_entries() ? avx2_kernels : kernels)[variant][kind];
   // The vector kernels over bf16 caches keep q and the accumulators in load32's lane order.
-  const bool lane_order = variant != 0 && kind == kBFloat16;
-  const Source k{key_cache.data_ptr(), k_scales, k_fixed, kind == kFp8 ? lut.data_ptr<float>() : nullptr};
-  const Source v{value_cache.data_ptr(), v_scales, v_fixed, k.lut};
-  const int32_t* bt = block_table.data_ptr<int32_t>();
-  const float sc = static_cast<float>(scale);
-  const int64_t HD = num_heads * head_dim, part_size = num_heads * (head_dim + 2);
-  std::vector<float> parts(static_cast<size_t>(num_parts * part_size));  // split items: m, l, acc
+  c.lane_order = variant != 0 && kind == kBFloat16;
+  c.bf16_io = bf16_io;
+  c.g = Geometry{block_size, num_kv_heads, num_heads / num_kv_heads, head_dim, num_kv_heads * head_dim,
+                 static_cast<float>(softcap)};
+  c.k = Source{key_cache.data_ptr(), k_scales, k_fixed, kind == kFp8 ? lut.data_ptr<float>() : nullptr};
+  c.v = Source{value_cache.data_ptr(), v_scales, v_fixed, c.k.lut};
+  c.keep = {out, query, key_cache, value_cache, block_table, query_start_loc, lut,
+            k_scale.value_or(torch::Tensor()), v_scale.value_or(torch::Tensor())};
+  c.starts = starts;
+  c.bt = block_table.data_ptr<int32_t>();
+  c.max_blocks = max_blocks;
+  c.scale = static_cast<float>(scale);
+  c.num_heads = num_heads;
+  c.head_dim = head_dim;
+  c.HD = num_heads * head_dim;
+  c.part_size = num_heads * (head_dim + 2);
+  c.parts.assign(static_cast<size_t>(num_parts * c.part_size), 0.f);  // split items: m, l, acc
+  c.scores_size = std::max(num_heads * ((block_size + 15) / 16 * 16), 4 * kChunk);
+  c.tmp_size = kind == kFloat32 || c.lane_order ? 0 : 2 * block_size * c.g.row;
 
-  auto read_query = [&](int64_t row, float* q, float* scratch) {
-    float* dst = lane_order ? scratch : q;
-    if (bf16_io) {
-      const uint16_t* qs = reinterpret_cast<const uint16_t*>(query.data_ptr()) + row * HD;
-      for (int64_t j = 0; j < HD; ++j) dst[j] = bf16_to_float(qs[j]);
-    } else {
-      std::memcpy(dst, query.data_ptr<float>() + row * HD, HD * sizeof(float));
-    }
-    if (lane_order) to_lane_order(scratch, q, HD);
-  };
-  // out[row] = acc / l per head (acc in the kernel's order).
-  auto write_row = [&](int64_t row, const float* acc, const float* l, float* scratch, float* result) {
-    for (int64_t h = 0; h < num_heads; ++h) {
-      const float inv = 1.f / l[h];
-      for (int64_t d = 0; d < head_dim; ++d) scratch[h * head_dim + d] = acc[h * head_dim + d] * inv;
-    }
-    const float* values = scratch;
-    if (lane_order) {
-      from_lane_order(scratch, result, HD);
-      values = result;
-    }
-    if (bf16_io) {
-      uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr()) + row * HD;
-      for (int64_t i = 0; i < HD; ++i) o[i] = float_to_bf16(values[i]);
-    } else {
-      std::memcpy(out.data_ptr<float>() + row * HD, values, HD * sizeof(float));
-    }
-  };
-
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> q(HD), scratch(HD), result(HD), own(part_size);
-    std::vector<float> scores(std::max(num_heads * ((block_size + 15) / 16 * 16), 4 * kChunk));
-    std::vector<float> tmp(kind == kFloat32 || lane_order ? 0 : 2 * block_size * g.row);
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t i = bounds[t]; i < bounds[t + 1]; ++i) {
-        const WorkItem& it = items[i];
-        float* p = it.part >= 0 ? parts.data() + it.part * part_size : own.data();
-        const Partial st{p, p + num_heads, p + 2 * num_heads};
-        std::fill(st.m, st.m + num_heads, kNegInf);
-        std::fill(st.l, st.l + num_heads, 0.f);
-        std::fill(st.acc, st.acc + HD, 0.f);
-        read_query(starts[it.seq], q.data(), scratch.data());
-        attend(q.data(), k, v, bt + it.seq * max_blocks, it.first, it.last, g, sc, scores.data(), tmp.data(), st);
-        if (it.part < 0) write_row(starts[it.seq], st.acc, st.l, scratch.data(), result.data());
-      }
-    }
-  });
-
-  // Merge each split sequence's parts (its items are consecutive) by log-sum-exp.
-  std::vector<float> merged(part_size), scratch(HD), result(HD);
-  for (size_t i = 0; i < items.size();) {
-    size_t end = i + 1;
-    while (end < items.size() && items[end].seq == items[i].seq) ++end;
-    if (items[i].part >= 0) {
-      float* l = merged.data() + num_heads;
-      float* acc = merged.data() + 2 * num_heads;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float m_all = kNegInf;
-        for (size_t j = i; j < end; ++j) m_all = std::max(m_all, parts[items[j].part * part_size + h]);
-        l[h] = 0.f;
-        std::fill(acc + h * head_dim, acc + (h + 1) * head_dim, 0.f);
-        for (size_t j = i; j < end; ++j) {
-          const float* p = parts.data() + items[j].part * part_size;
-          const float w = std::exp(p[h] - m_all);
-          l[h] += p[num_heads + h] * w;
-          for (int64_t d = 0; d < head_dim; ++d) acc[h * head_dim + d] += p[2 * num_heads + h * head_dim + d] * w;
-        }
-      }
-      write_row(starts[items[i].seq], acc, l, scratch.data(), result.data());
-    }
-    i = end;
+  const int64_t n_items = static_cast<int64_t>(c.items.size());
+  if (shared) {
+    const int64_t grain = work_share::grain_for(n_items);
+    work_share::run(
+        n_items, grain, static_cast<size_t>(grain * c.part_size) * sizeof(float),
+        [call](int64_t i0, int64_t i1, void* scratch) { call->attend_items(i0, i1, static_cast<float*>(scratch)); },
+        [call](int64_t i0, int64_t i1, const void* scratch) {
+          call->commit_items(i0, i1, static_cast<const float*>(scratch));
+        });
+  } else {
+    const std::vector<int64_t> bounds = balance(c.items, threads);
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) c.attend_items(bounds[t], bounds[t + 1], nullptr);
+    });
   }
+  c.merge_parts();
 }
 
 }  // namespace pagedserve

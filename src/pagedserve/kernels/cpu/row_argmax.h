@@ -16,8 +16,12 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "work_share.h"
+
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <limits>
 #include <vector>
 
@@ -62,19 +66,39 @@ inline void merge(Best& into, const Best& later) {
 }
 
 // Token ids int64 [M]: fold(u0, u1, best) folds column units [u0, u1) (the kernel's 32-column
-// groups, in order) into best[0 .. M); the units are cut into one contiguous range per thread.
+// groups, in order) into best[0 .. M); the units are cut into one contiguous range per thread, or
+// shared with the helper thread in chunks (work_share.h: fold then holds by value what it reads).
 template <class Fold>
 torch::Tensor argmax_over_ranges(int64_t M, int64_t units, const torch::TensorOptions& options, const Fold& fold) {
-  const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
-  std::vector<std::vector<Best>> bests(static_cast<size_t>(ranges), std::vector<Best>(static_cast<size_t>(M)));
-  at::parallel_for(0, ranges, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) fold(units * t / ranges, units * (t + 1) / ranges, bests[t].data());
-  });
+  const bool shared = work_share::sharing();
+  const int64_t grain = shared ? work_share::grain_for(units) : 1;
+  const int64_t ranges =
+      shared ? (units + grain - 1) / grain : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  // One row of M bests per range, owned by the task too: the helper may write after the call.
+  auto bests = std::make_shared<std::vector<Best>>(static_cast<size_t>(ranges * M));
+  if (shared) {
+    const size_t bytes = static_cast<size_t>(M) * sizeof(Best);
+    work_share::run(
+        units, grain, bytes,
+        [fold, bests, grain, M](int64_t u0, int64_t u1, void* scratch) {
+          Best* b = scratch != nullptr ? static_cast<Best*>(scratch) : bests->data() + (u0 / grain) * M;
+          std::fill(b, b + M, Best());
+          fold(u0, u1, b);
+        },
+        [bests, grain, M, bytes](int64_t u0, int64_t, const void* scratch) {
+          std::memcpy(static_cast<void*>(bests->data() + (u0 / grain) * M), scratch, bytes);
+        });
+  } else {
+    at::parallel_for(0, ranges, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) fold(units * t / ranges, units * (t + 1) / ranges, bests->data() + t * M);
+    });
+  }
   torch::Tensor out = torch::empty({M}, options.dtype(torch::kLong));
   int64_t* o = out.data_ptr<int64_t>();
+  const Best* all = bests->data();
   for (int64_t r = 0; r < M; ++r) {
-    Best b = bests[0][r];
-    for (int64_t t = 1; t < ranges; ++t) merge(b, bests[t][r]);
+    Best b = all[r];
+    for (int64_t t = 1; t < ranges; ++t) merge(b, all[t * M + r]);
     o[r] = b.index;
   }
   return out;

@@ -41,6 +41,7 @@
 #include "huge_pages.h"
 #include "ops.h"
 #include "row_argmax.h"
+#include "work_share.h"
 
 namespace pagedserve {
 namespace {
@@ -311,15 +312,22 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   const auto* xp = reinterpret_cast<const typename Math::X*>(x_packed.data_ptr());
   const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   const auto* w = values<Panel>(packed);
-  if (widen) {
-    float* out = y.data_ptr<float>();
-    at::parallel_for(0, N / kPanel, 1,
-                     [&](int64_t p0, int64_t p1) { panels<Math, float, !kFp32>(xp, w, b, out, M, K, N, p0, p1); });
-  } else {
-    using Out = std::conditional_t<kFp32, float, c10::BFloat16>;
-    Out* out = y.data_ptr<Out>();
-    at::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) { panels<Math>(xp, w, b, out, M, K, N, p0, p1); });
+  using Out = std::conditional_t<kFp32, float, c10::BFloat16>;
+  // By value, x's packed copy, the weights and the bias with it: under work_share.h the helper
+  // may run it after this call returned.
+  auto columns = [x_packed, packed, bias32, xp, w, b, widen, M, K, N](int64_t p0, int64_t p1, void* dst) {
+    if (widen) {
+      panels<Math, float, !kFp32>(xp, w, b, static_cast<float*>(dst), M, K, N, p0, p1);
+    } else {
+      panels<Math>(xp, w, b, static_cast<Out*>(dst), M, K, N, p0, p1);
+    }
+  };
+  if (work_share::sharing()) {
+    work_share::run_columns(N / kPanel, kPanel, y.data_ptr(), M, N, y.element_size(), columns);
+    return y;
   }
+  void* dst = y.data_ptr();
+  at::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) { columns(p0, p1, dst); });
 #endif
   return y;
 }
@@ -337,9 +345,12 @@ torch::Tensor linear_argmax(const torch::Tensor& x, const torch::Tensor& packed,
   const auto* xp = reinterpret_cast<const typename Math::X*>(x_packed.data_ptr());
   const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   const auto* w = values<typename Math::Panel>(packed);
-  return row_argmax::argmax_over_ranges(M, N / kPanel, x.options(), [&](int64_t p0, int64_t p1, row_argmax::Best* best) {
-    panels<Math>(xp, w, b, best, M, K, N, p0, p1);
-  });
+  // By value (x's packed copy, weights, bias): under work_share.h the helper may run it late.
+  return row_argmax::argmax_over_ranges(
+      M, N / kPanel, x.options(),
+      [x_packed, packed, bias32, xp, w, b, M, K, N](int64_t p0, int64_t p1, row_argmax::Best* best) {
+        panels<Math>(xp, w, b, best, M, K, N, p0, p1);
+      });
 #else
   return torch::empty({0}, x.options().dtype(torch::kLong));
 #endif
