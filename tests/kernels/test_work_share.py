@@ -144,3 +144,29 @@ def test_shared_decode_attention_gives_the_two_thread_bits(ext, specs, query_dty
         if took_part:
             break
     assert took_part, "the helper never claimed an item: the call did not go through work_share::run"
+
+
+def test_turning_the_helper_off_releases_what_it_held(ext):
+    """Tasks hold their tensors for a helper that may finish late; the jobs it is done with are
+    released on the engine thread, at its next call or when the helper is turned off. A model
+    dropped after that must be freed, not kept alive by the helper."""
+    import gc
+    import weakref
+
+    if not (cpu_linear.avx512_available() or cpu_linear.avx2_fp32_available()):
+        pytest.skip("no packed fp32 linear kernel on this CPU")
+    kernel = AVX512_FP32 if cpu_linear.avx512_available() else AVX2_FP32
+    linear = packed_linear(kernel, randn(4096, 128, seed=1, dtype=torch.float32))
+    x = randn(64, 128, seed=2, dtype=torch.float32)
+    ext.work_share_set_helper(True, -1)
+    committed0 = ext.work_share_stats()[1]
+    for _ in range(100):
+        linear(x, None)
+        if ext.work_share_stats()[1] > committed0:
+            break
+    assert ext.work_share_stats()[1] > committed0, "the helper never took part"
+    weights = weakref.ref(linear.packed)
+    ext.work_share_set_helper(False, -1)
+    del linear
+    gc.collect()
+    assert weights() is None, "the packed weight outlived its layer: a job still held it"

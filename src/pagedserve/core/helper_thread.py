@@ -56,7 +56,7 @@ def current_cpu() -> int | None:
 
 
 class HelperThread:
-    """The kernels' helper for the engine thread: `start` and `stop` on the engine thread only."""
+    """The kernels' helper for the engine thread: `start` and `look` on the engine thread, `stop` on any."""
 
     def __init__(self, kernels, cpus: list[int]) -> None:
         self._kernels, self._cpus = kernels, cpus

@@ -27,6 +27,12 @@ failed try doubles the time to the next (up to PROBE_MAX_S), so a lasting neighb
 
 A change takes effect at the next op (torch.set_num_threads on the engine thread). The operator
 can fix the count instead (PAGEDSERVE_NUM_THREADS, core/cpu_threads.py).
+
+At one thread the kernels' helper (core/helper_thread.py) takes the half core the neighbour
+leaves; it is started when the team drops to one thread and stopped before a team of more
+starts. While it runs, the CPUs never idle (it spins between kernel calls), so the end of the
+neighbour is read from the helper's own figures instead: neither it nor the engine thread waited
+while it worked.
 """
 
 from __future__ import annotations

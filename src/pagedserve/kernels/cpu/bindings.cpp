@@ -115,7 +115,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("out_features"),
         py::arg("group_size"));
   m.def("work_share_set_helper", &work_share::set_helper,
-        "Turns the linear kernels' helper thread on for the calling thread (pinned to helper_cpu; < 0: unpinned) or "
+        "Turns the kernels' helper thread on for the calling thread (pinned to helper_cpu; < 0: the calling thread's CPUs) or "
         "off; returns its thread id (work_share.h).",
         py::arg("on"), py::arg("helper_cpu"));
   m.def("work_share_stats", &work_share::helper_stats,

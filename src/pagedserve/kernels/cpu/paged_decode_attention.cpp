@@ -517,7 +517,8 @@ std::vector<int64_t> balance(const std::vector<WorkItem>& items, int64_t threads
 struct DecodeCall {
   std::vector<WorkItem> items;
   std::vector<float> parts;  // split items' partial results, part_size floats each
-  std::vector<torch::Tensor> keep;
+  torch::Tensor out, query;
+  std::vector<torch::Tensor> keep;  // what k, v, bt and starts point into
   AttendFn attend;
   bool lane_order, bf16_io;
   Geometry g;
@@ -530,10 +531,10 @@ struct DecodeCall {
   void read_query(int64_t row, float* q, float* scratch) const {
     float* dst = lane_order ? scratch : q;
     if (bf16_io) {
-      const uint16_t* qs = reinterpret_cast<const uint16_t*>(keep[1].data_ptr()) + row * HD;
+      const uint16_t* qs = reinterpret_cast<const uint16_t*>(query.data_ptr()) + row * HD;
       for (int64_t j = 0; j < HD; ++j) dst[j] = bf16_to_float(qs[j]);
     } else {
-      std::memcpy(dst, keep[1].data_ptr<float>() + row * HD, HD * sizeof(float));
+      std::memcpy(dst, query.data_ptr<float>() + row * HD, HD * sizeof(float));
     }
     if (lane_order) to_lane_order(scratch, q, HD);
   }
@@ -550,10 +551,10 @@ struct DecodeCall {
       values = result;
     }
     if (bf16_io) {
-      uint16_t* o = reinterpret_cast<uint16_t*>(keep[0].data_ptr()) + row * HD;
+      uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr()) + row * HD;
       for (int64_t i = 0; i < HD; ++i) o[i] = float_to_bf16(values[i]);
     } else {
-      std::memcpy(keep[0].data_ptr<float>() + row * HD, values, HD * sizeof(float));
+      std::memcpy(out.data_ptr<float>() + row * HD, values, HD * sizeof(float));
     }
   }
 
@@ -703,8 +704,10 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
                  static_cast<float>(softcap)};
   c.k = Source{key_cache.data_ptr(), k_scales, k_fixed, kind == kFp8 ? lut.data_ptr<float>() : nullptr};
   c.v = Source{value_cache.data_ptr(), v_scales, v_fixed, c.k.lut};
-  c.keep = {out, query, key_cache, value_cache, block_table, query_start_loc, lut,
-            k_scale.value_or(torch::Tensor()), v_scale.value_or(torch::Tensor())};
+  c.out = out;
+  c.query = query;
+  c.keep = {key_cache, value_cache, block_table, query_start_loc, lut, k_scale.value_or(torch::Tensor()),
+            v_scale.value_or(torch::Tensor())};
   c.starts = starts;
   c.bt = block_table.data_ptr<int32_t>();
   c.max_blocks = max_blocks;

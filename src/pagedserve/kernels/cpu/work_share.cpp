@@ -61,7 +61,12 @@ class Helper {
       owner_.store(pthread_self());
     }
     on_.store(on);
-    if (!on) publish(nullptr);  // releases what the helper is done with (the engine thread calls)
+    if (!on) {
+      // Once the helper is past its last job (it may be finishing a chunk taken back from it),
+      // release what it is done with here: the model's weights may be among it.
+      while (awake_.load()) std::this_thread::yield();
+      publish(nullptr);
+    }
     return tid_.load();
   }
 
@@ -112,6 +117,7 @@ class Helper {
     uint64_t seen = generation_.load();
     auto last = std::chrono::steady_clock::now();
     for (;;) {
+      awake_.store(true);  // before the generation is read: set(false) waits for the helper to sleep
       const uint64_t generation = generation_.load();
       if (generation != seen) {
         seen = generation;
@@ -132,6 +138,7 @@ class Helper {
         _mm_pause();
         continue;
       }
+      awake_.store(false);
       std::unique_lock<std::mutex> lock(mutex_);
       sleeping_.store(true);  // seq_cst: publish() sees it, or this thread sees the new generation
       wake_.wait(lock, [&] { return generation_.load() != seen; });
@@ -182,6 +189,7 @@ class Helper {
   std::vector<std::shared_ptr<Job>> retired_;  // jobs the helper is done with, under lock_
   std::atomic<uint64_t> generation_{0};
   std::atomic<bool> sleeping_{false};
+  std::atomic<bool> awake_{false};  // between waking and going to sleep: may take a job
   std::mutex mutex_;
   std::condition_variable wake_;
   void* scratch_ = nullptr;  // the helper thread's alone

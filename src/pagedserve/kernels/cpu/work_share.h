@@ -99,8 +99,9 @@ void run_columns(int64_t units, int64_t cols, void* out, int64_t rows, int64_t l
       });
 }
 
-// Bindings (work_share.cpp): turning the helper on (pinned to helper_cpu, or unpinned when < 0)
-// for the calling thread, or off; its thread id (0 before it started); counters and a test delay.
+// Bindings (work_share.cpp): turning the helper on for the calling thread (pinned to helper_cpu;
+// < 0: the calling thread's CPUs), or off (returns once the helper sleeps, having released what
+// it held); its thread id (0 before it started); counters and a test delay.
 int64_t set_helper(bool on, int64_t helper_cpu);
 std::vector<int64_t> helper_stats();  // {thread id, chunks the helper committed, chunks taken back}
 void set_helper_test_delay_us(int64_t us);
