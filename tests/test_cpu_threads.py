@@ -407,8 +407,10 @@ def test_at_one_thread_the_kernels_helper_runs_and_stops_before_a_team_of_two_st
     assert helper.calls == ["start", "stop"] and host.set_calls == [(1, False), (2, False)]
     helper.free = False
     assert host.step(gov, waiting=0.8) == 1 and helper.calls[-1] == "start"
-    host.step(gov, seconds=31.0)  # the periodic try at two threads stops the helper too
-    assert gov.threads == 2 and helper.calls[-1] == "stop" and not helper.active
+    host.step(gov, seconds=31.0, waiting=0.5)  # no periodic try while the helper reads the neighbour
+    assert gov.threads == 1 and helper.active and helper.calls[-1] == "start"
+    helper.free = True
+    assert host.step(gov) == 2 and helper.calls[-1] == "stop" and not helper.active
 
 
 def test_an_operator_count_never_starts_the_helper():

@@ -31,8 +31,8 @@ can fix the count instead (PAGEDSERVE_NUM_THREADS, core/cpu_threads.py).
 At one thread the kernels' helper (core/helper_thread.py) takes the half core the neighbour
 leaves; it is started when the team drops to one thread and stopped before a team of more
 starts. While it runs, the CPUs never idle (it spins between kernel calls), so the end of the
-neighbour is read from the helper's own figures instead: neither it nor the engine thread waited
-while it worked.
+neighbour is read from the helper's own figures instead (neither it nor the engine thread waited
+while it worked), and there is no periodic try.
 """
 
 from __future__ import annotations
@@ -191,7 +191,10 @@ class ThreadGovernor:
         self._last = current
         logger.debug("compute threads %d: waiting %.2f, idle %.2f CPUs", self.threads, waiting, idle)
         waited_before, self._waited = self._waited, waiting >= WAIT_LIMIT
-        if self._helper is not None and self._helper.active and self._helper.look():
+        # The helper's own figures say when the neighbour leaves (a try at two threads beside it would
+        # cost half a second of a barrier-bound team for nothing).
+        helping = self._helper is not None and self._helper.active
+        if helping and self._helper.look():
             self._probe_wait = PROBE_S
             self._change(self.threads + 1, "the kernel helper's core came free")
         elif self._waited and (waited_before or self._probing or waiting >= CLEAR_WAIT) and self.threads > 1:
@@ -202,7 +205,7 @@ class ThreadGovernor:
         elif self.threads < self.max_threads and idle >= IDLE_LIMIT:
             self._probe_wait = PROBE_S
             self._change(self.threads + 1, f"{idle:.2f} CPUs idle")
-        elif self.threads < self.max_threads and current.at >= self._next_probe:
+        elif self.threads < self.max_threads and current.at >= self._next_probe and not helping:
             self._change(self.threads + 1, "trying whether a core came free")
             self._probing = True
             return
