@@ -1,10 +1,11 @@
-"""The linear kernels' helper thread beside a one-thread team, and which core each thread runs on.
+"""The C++ kernels' helper thread beside a one-thread team, and which core each thread runs on.
 
 Why. Beside a busy neighbour core the thread governor (core/thread_governor.py) computes with one
 thread: a barrier-synchronized team waits at every op for the thread the neighbour shares a core
-with. One thread leaves unused the half core the neighbour does not take. The C++ linear kernels
-can share a call with a helper thread that claims chunks of the output and is never waited for
-(kernels/cpu/work_share.h), so the helper turns that half core into throughput.
+with. One thread leaves unused the half core the neighbour does not take. The C++ linear and
+decode-attention kernels can share a call with a helper thread that claims chunks of the output
+and is never waited for (kernels/cpu/work_share.h), so the helper turns that half core into
+throughput.
 
 Where. The engine thread runs alone on one core (its Python work between ops, torch's own ops
 and its share of the kernels go at full speed) and the helper on another, beside the neighbour.

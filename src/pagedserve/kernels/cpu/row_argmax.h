@@ -16,14 +16,14 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
-#include "work_share.h"
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <limits>
+#include <memory>
 #include <vector>
+
+#include "work_share.h"
 
 namespace pagedserve {
 namespace row_argmax {

@@ -5,9 +5,11 @@
 // op for the thread that shares its core: that thread is descheduled for whole time slices
 // (milliseconds) while an op lasts a fraction of one. The thread governor (core/thread_governor.py)
 // then drops to one thread, which leaves unused the half core the neighbour does not take. The
-// helper takes that half core for the linear kernels, with no barrier anywhere.
+// helper takes that half core for the linear kernels (with the LM head's fused argmax) and decode
+// attention, with no barrier anywhere.
 //
-// How. A call's output is cut into chunks (a few of the kernel's 32-column groups each). The engine
+// How. A call's output is cut into chunks (a few of the kernel's 32-column groups, or decode
+// attention's work items, each). The engine
 // thread and the helper claim chunks from one counter. The engine computes its chunks straight
 // into the output. The helper computes into its own scratch and copies a chunk into the output
 // only after winning the chunk's state (claimed -> committing). When the counter runs out the
