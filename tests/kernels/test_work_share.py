@@ -6,6 +6,8 @@ claiming them (the test delay stands in for a descheduled helper). The counters 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -37,6 +39,21 @@ def ext():
     ext.work_share_set_helper(False, -1)
     ext.work_share_set_test_delay_us(0)
     torch.set_num_threads(before)
+
+
+def share_until_the_helper_takes_part(ext, stall_us, call):
+    """Turns the helper on (stalling stall_us after each claim) and runs `call`, which checks its
+    own result, until the helper took part: committed a chunk, or, stalling, had one taken back by
+    the engine thread. A helper that never does means the call did not go through work_share::run."""
+    ext.work_share_set_test_delay_us(stall_us)
+    ext.work_share_set_helper(True, -1)
+    _, committed0, stolen0 = ext.work_share_stats()
+    for _ in range(100):
+        call()
+        _, committed, stolen = ext.work_share_stats()
+        if (stolen > stolen0) if stall_us else (committed > committed0):
+            return
+    pytest.fail("the helper never took part: the calls did not go through work_share::run")
 
 
 def outputs(linear, x, bias):
@@ -74,23 +91,14 @@ def test_shared_call_gives_the_one_thread_bits(ext, kernel, dtype, rows, stall_u
     bias = randn(2048, seed=3, dtype=dtype).repeat(2)
     linear = packed_linear(kernel, w)
     want = outputs(linear, x, bias)  # the helper off: at::parallel_for with one thread
-    ext.work_share_set_test_delay_us(stall_us)
-    ext.work_share_set_helper(True, -1)
-    _, committed0, stolen0 = ext.work_share_stats()
-    for attempt in range(100):
-        assert_same_bits(outputs(linear, x, bias), want)
-        _, committed, stolen = ext.work_share_stats()
-        took_part = stolen > stolen0 if stall_us else committed > committed0
-        if took_part:
-            break
-    assert took_part, "the helper never claimed a chunk: the calls did not go through work_share::run"
+    share_until_the_helper_takes_part(ext, stall_us, lambda: assert_same_bits(outputs(linear, x, bias), want))
 
 
 def test_other_threads_and_larger_teams_do_not_share(ext):
     """Only the thread that turned the helper on shares, and only at one OpenMP thread: another
     thread, or a team of two, runs the kernel as before (the helper's counters do not move)."""
-    if not (cpu_linear.amx_available() or cpu_linear.avx512_available() or cpu_linear.avx2_fp32_available()):
-        pytest.skip("no packed linear kernel on this CPU")
+    if not (cpu_linear.avx512_available() or cpu_linear.avx2_fp32_available()):
+        pytest.skip("no packed fp32 linear kernel on this CPU")
     w, x = randn(4096, 128, seed=1, dtype=torch.float32), randn(64, 128, seed=2, dtype=torch.float32)
     kernel = AVX512_FP32 if cpu_linear.avx512_available() else AVX2_FP32
     linear = packed_linear(kernel, w)
@@ -134,16 +142,11 @@ def test_shared_decode_attention_gives_the_two_thread_bits(ext, specs, query_dty
     torch.set_num_threads(2)
     want = attend()
     torch.set_num_threads(1)
-    ext.work_share_set_test_delay_us(stall_us)
-    ext.work_share_set_helper(True, -1)
-    _, committed0, stolen0 = ext.work_share_stats()
-    for attempt in range(100):
+
+    def same_bits():
         assert torch.equal(attend().view(torch.uint8), want.view(torch.uint8))
-        _, committed, stolen = ext.work_share_stats()
-        took_part = stolen > stolen0 if stall_us else committed > committed0
-        if took_part:
-            break
-    assert took_part, "the helper never claimed an item: the call did not go through work_share::run"
+
+    share_until_the_helper_takes_part(ext, stall_us, same_bits)
 
 
 def test_turning_the_helper_off_releases_what_it_held(ext):
@@ -158,13 +161,7 @@ def test_turning_the_helper_off_releases_what_it_held(ext):
     kernel = AVX512_FP32 if cpu_linear.avx512_available() else AVX2_FP32
     linear = packed_linear(kernel, randn(4096, 128, seed=1, dtype=torch.float32))
     x = randn(64, 128, seed=2, dtype=torch.float32)
-    ext.work_share_set_helper(True, -1)
-    committed0 = ext.work_share_stats()[1]
-    for _ in range(100):
-        linear(x, None)
-        if ext.work_share_stats()[1] > committed0:
-            break
-    assert ext.work_share_stats()[1] > committed0, "the helper never took part"
+    share_until_the_helper_takes_part(ext, 0, functools.partial(linear, x, None))  # dropped on return
     weights = weakref.ref(linear.packed)
     ext.work_share_set_helper(False, -1)
     del linear

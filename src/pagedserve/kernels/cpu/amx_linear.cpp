@@ -259,20 +259,18 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
 #ifdef PAGEDSERVE_HAVE_AMX
   const amx::PaddedRows rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  uint16_t* yp = fp32_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr());
-  float* y32 = fp32_out ? y.data_ptr<float>() : nullptr;
+  // By value, x (rows points into it), the weights and the bias: under work_share.h the helper may
+  // run it late.
+  auto groups = [rows, x, packed, bias, w, b, fp32_out, M, K, N](int64_t g0, int64_t g1, void* dst) {
+    amx_groups(rows, w, b, fp32_out ? nullptr : static_cast<uint16_t*>(dst),
+               fp32_out ? static_cast<float*>(dst) : nullptr, nullptr, M, K, N, g0, g1);
+  };
+  void* yp = y.data_ptr();
   if (work_share::sharing()) {
-    // The lambda holds x (rows points into it), the weights and the bias: the helper may run it late.
-    work_share::run_columns(N / kGroup, kGroup, y.data_ptr(), M, N, y.element_size(),
-                            [rows, x, packed, bias, w, b, fp32_out, M, K, N](int64_t g0, int64_t g1, void* dst) {
-                              amx_groups(rows, w, b, fp32_out ? nullptr : static_cast<uint16_t*>(dst),
-                                         fp32_out ? static_cast<float*>(dst) : nullptr, nullptr, M, K, N, g0, g1);
-                            });
+    work_share::run_columns(N / kGroup, kGroup, yp, M, N, y.element_size(), groups);
     return y;
   }
-  at::parallel_for(0, N / kGroup, 1, [&](int64_t g0, int64_t g1) {
-    amx_groups(rows, w, b, yp, y32, nullptr, M, K, N, g0, g1);
-  });
+  at::parallel_for(0, N / kGroup, 1, [&](int64_t g0, int64_t g1) { groups(g0, g1, yp); });
 #endif
   return y;
 }
