@@ -19,11 +19,13 @@
 //     K[c][2r], K[c][2r + 1] of its 32 dims;
 //   V, for O = P V: one tile per 32 keys and 16 dims: row r holds, for dim c = 0..15, the pair
 //     V[2r][c], V[2r + 1][c] of its 32 keys.
-// Keys past the sequence are zero. A work item is (query head, block of 16 rows); its query rows
-// are copied into a zero-padded 16 x head_dim buffer (the A operand), its scores are formed 32
-// keys at a time from the block's first visible panel to its causal limit, and its probabilities
-// (bf16, zero outside each row's visible keys) are the A operand of P V, 64 output dims at a time
-// (four accumulator tiles). Sliding windows and the Gemma 2 softcap as in paged_prefill_attention.
+// Keys past the sequence are zero. A work item is (query head, block of 32 rows: two 16-row
+// halves); its query rows are copied into a zero-padded 32 x head_dim buffer (the A operands), its
+// scores are formed 32 keys at a time from the block's first visible panel to its causal limit, and
+// its probabilities (bf16, zero outside each row's visible keys) are the A operands of P V, 32
+// output dims at a time. Both halves multiply the same K and V tiles (four accumulator tiles), so
+// each tile loaded from L2 feeds two tdpbf16ps where one 16-row half per item fed one (-35% at
+// 512 and 1,024 + 1,024 rows). Sliding windows and the Gemma 2 softcap as in paged_prefill_attention.
 
 #include <ATen/Parallel.h>
 
@@ -44,6 +46,7 @@ using amx::kTileElems;
 using amx::kTileRows;
 
 constexpr int64_t kKeys = 32;  // keys per score step (two 16-key tiles) and per P V slice
+constexpr int64_t kBlockRows = 2 * kTileRows;  // query rows per work item (two tiles of rows)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 using Shapes = PrefillShapes;
@@ -74,10 +77,31 @@ void gather_tiles(const uint16_t* key_cache, const uint16_t* value_cache, const 
   });
 }
 
+// 2^t for t <= 0 on 16 lanes: 2^n * 2^f with n = round(t), f = t - n in [-1/2, 1/2] and 2^f from a
+// degree-5 polynomial fitted for relative error (measured at most 2.4e-7 in fp32, the degree-7
+// Taylor series of exp_nonpositive16 ~1e-7), n applied by vscalef. Why not exp_nonpositive16: the
+// softmax's exponentials were the kernel's largest cost (docs/benchmarks.md), and this takes 9
+// instructions per 16 scores where that took 16. The probabilities are rounded to bf16 (relative
+// error 2^-9) before P V; only the row sums see the difference, at float rounding level.
+PAGEDSERVE_AMX inline __m512 exp2_nonpositive(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));  // below, 2^t is no normal float; keeps n finite
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.327647129073739e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675541892647743e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550713092088699e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120237350464e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469440460205e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // Score rows (fp32, ld apart) -> bf16 probabilities e^{(s - max) * scale} over [begin[r], visible[r]),
 // 0 elsewhere in [0, keys); the fp32 sums. Rows from `rows` to 16 are zero.
 PAGEDSERVE_AMX void softmax_to_bf16(const float* scores, int64_t ld, int64_t rows, int64_t keys, const int64_t* begin,
                                     const int64_t* visible, float scale, uint16_t* probs, int64_t ldp, float* sums) {
+  const float log2_scale = scale * 1.4426950408889634f;  // e^{x scale} = 2^{x scale log2(e)}
+  const __m512 c = _mm512_set1_ps(log2_scale);
   for (int64_t r = 0; r < kTileRows; ++r) {
     uint16_t* p = probs + r * ldp;
     if (r >= rows) {
@@ -94,45 +118,48 @@ PAGEDSERVE_AMX void softmax_to_bf16(const float* scores, int64_t ld, int64_t row
     }
     for (; j + 16 <= e; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
     if (j < e) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, static_cast<__mmask16>((1u << (e - j)) - 1), s + j));
-    const float row_max = _mm512_reduce_max_ps(_mm512_max_ps(m, m2));
+    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(m, m2)) * log2_scale);
     std::fill(p, p + b, uint16_t{0});
-    v16sf sum = {};
-    for (j = b; j < e; j += 16) {
-      const int64_t count = std::min<int64_t>(16, e - j);
-      const __mmask16 live = static_cast<__mmask16>((1u << count) - 1);
-      const __m512 x = _mm512_maskz_loadu_ps(live, s + j);
-      v16sf ex = exp_nonpositive16((reinterpret_cast<const v16sf&>(x) - row_max) * scale);
-      const __m512 kept = _mm512_maskz_mov_ps(live, reinterpret_cast<const __m512&>(ex));
-      ex = reinterpret_cast<const v16sf&>(kept);
-      sum += ex;
-      // Rounded to nearest even, stored straight from the register (a copy through the stack
-      // stalled on store forwarding: a quarter of the kernel's time).
-      const __m256i rounded = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<const __m512&>(ex)));
-      _mm256_mask_storeu_epi16(p + j, live, rounded);
+    __m512 sum = _mm512_setzero_ps();
+    // Rounded to nearest even and stored straight from the register (a copy through the stack
+    // stalled on store forwarding: a quarter of the kernel's time).
+    for (j = b; j + 16 <= e; j += 16) {
+      const __m512 ex = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), c, shift));
+      sum = _mm512_add_ps(sum, ex);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(ex)));
+    }
+    if (j < e) {
+      const __mmask16 live = static_cast<__mmask16>((1u << (e - j)) - 1);
+      const __m512 ex = _mm512_maskz_mov_ps(live, exp2_nonpositive(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, s + j), c, shift)));
+      sum = _mm512_add_ps(sum, ex);
+      _mm256_mask_storeu_epi16(p + j, live, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(ex)));
     }
     std::fill(p + e, p + keys, uint16_t{0});
-    sums[r] = hsum16(sum);
+    sums[r] = _mm512_reduce_add_ps(sum);
   }
 }
 
-// Work items [i0, i1) of one sequence: (head, 16-row block) pairs, query rows [q0, q0 + q_len) at
-// positions [n - q_len, n), over the tiles gathered from t0; window 0: none.
+// Work items [i0, i1) of one sequence: (head, block of 32 rows) pairs, query rows [q0, q0 + q_len) at
+// positions [n - q_len, n), over the tiles gathered from t0; window 0: none. A block's two 16-row
+// halves share every key and value tile load (2 x 2 accumulator tiles): one half per item read
+// each K and V tile from L2 for two tdpbf16ps, at the L2's rate.
 PAGEDSERVE_AMX void attend_blocks(uint16_t* out, const uint16_t* query, const uint16_t* kb, const uint16_t* vb,
                                   int64_t q0, int64_t q_len, int64_t n, int64_t t0, int64_t n_pad, int64_t window,
                                   const Shapes& s, float scale, float softcap, int64_t i0, int64_t i1) {
   amx::configure_tiles();
   const int64_t D = s.dim, group = s.heads / s.kv_heads, ldq = s.heads * D, m = n_pad - t0;
   const int64_t slices = D / 32, dim_tiles = D / 16, first_pos = n - q_len;
-  const int64_t blocks = (q_len + kTileRows - 1) / kTileRows;
+  const int64_t blocks = (q_len + kBlockRows - 1) / kBlockRows;
   auto window_start = [&](int64_t p) { return window > 0 ? std::max<int64_t>(0, p - window + 1) : int64_t{0}; };
   // Rows one panel past the gathered keys apart (no power-of-two stride: see the fp32 kernel).
   const int64_t lds = m + kKeys, ldp = m + kKeys;
-  std::vector<float> scores(static_cast<size_t>(kTileRows * lds));
-  std::vector<uint16_t> probs(static_cast<size_t>(kTileRows * ldp));
-  std::vector<uint16_t> q_rows(static_cast<size_t>(kTileRows * D));
-  std::vector<float> o(static_cast<size_t>(kTileRows * D));
+  std::vector<float> scores(static_cast<size_t>(kBlockRows * lds));
+  std::vector<uint16_t> probs(static_cast<size_t>(kBlockRows * ldp));
+  std::vector<uint16_t> q_rows(static_cast<size_t>(kBlockRows * D));
+  std::vector<float> o(static_cast<size_t>(kBlockRows * D));
   for (int64_t i = i0; i < i1; ++i) {
-    const int64_t h = i / blocks, r0 = (i % blocks) * kTileRows, rows = std::min(kTileRows, q_len - r0);
+    const int64_t h = i / blocks, r0 = (i % blocks) * kBlockRows, rows = std::min(kBlockRows, q_len - r0);
+    const bool two = rows > kTileRows;  // a second 16-row half
     const int64_t kvh = h / group;
     const int64_t keys = first_pos + r0 + rows;  // the block's last row sees keys [.., keys)
     const int64_t keys_pad = (keys + kKeys - 1) / kKeys * kKeys;
@@ -142,24 +169,39 @@ PAGEDSERVE_AMX void attend_blocks(uint16_t* out, const uint16_t* query, const ui
     for (int64_t r = 0; r < rows; ++r) {
       std::copy(query + (q0 + r0 + r) * ldq + h * D, query + (q0 + r0 + r) * ldq + (h + 1) * D, q_rows.data() + r * D);
     }
-    // S = Q K^T, 32 keys at a time.
+    // S = Q K^T, 32 keys at a time: tiles 0/1 the first half's two 16-key tiles, 2/3 the second's.
     const uint16_t* kh = kb + kvh * (m / 16) * slices * kTileElems;
+    const uint16_t* q_half = q_rows.data() + kTileRows * D;
     for (int64_t k0 = base; k0 < keys_pad; k0 += kKeys) {
       const uint16_t* kt = kh + ((k0 - t0) / 16) * slices * kTileElems;
       _tile_zero(0);
       _tile_zero(1);
+      if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
       for (int64_t sl = 0; sl < slices; ++sl) {
-        _tile_loadd(4, q_rows.data() + sl * 32, D * 2);
         _tile_loadd(6, kt + sl * kTileElems, 64);
         _tile_loadd(7, kt + (slices + sl) * kTileElems, 64);
+        _tile_loadd(4, q_rows.data() + sl * 32, D * 2);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, q_half + sl * 32, D * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
       }
-      _tile_stored(0, scores.data() + (k0 - base), lds * 4);
-      _tile_stored(1, scores.data() + (k0 - base) + 16, lds * 4);
+      float* sc = scores.data() + (k0 - base);
+      _tile_stored(0, sc, lds * 4);
+      _tile_stored(1, sc + 16, lds * 4);
+      if (two) {
+        _tile_stored(2, sc + kTileRows * lds, lds * 4);
+        _tile_stored(3, sc + kTileRows * lds + 16, lds * 4);
+      }
     }
-    int64_t begin[kTileRows], visible[kTileRows];  // per row, relative to base
-    float sums[kTileRows];
+    int64_t begin[kBlockRows], visible[kBlockRows];  // per row, relative to base
+    float sums[kBlockRows];
     for (int64_t r = 0; r < rows; ++r) {
       begin[r] = window_start(first_pos + r0 + r) - base;
       visible[r] = first_pos + r0 + r + 1 - base;
@@ -171,38 +213,42 @@ PAGEDSERVE_AMX void attend_blocks(uint16_t* out, const uint16_t* query, const ui
       }
       softmax_scale = 1.f;
     }
-    softmax_to_bf16(scores.data(), lds, rows, width, begin, visible, softmax_scale, probs.data(), ldp, sums);
-    // O = P V, four 16-dim accumulator tiles at a time, over the block's 32-key slices.
+    for (int64_t half = 0; half < (two ? 2 : 1); ++half) {
+      const int64_t h0 = half * kTileRows;
+      softmax_to_bf16(scores.data() + h0 * lds, lds, std::min(kTileRows, rows - h0), width, begin + h0,
+                      visible + h0, softmax_scale, probs.data() + h0 * ldp, ldp, sums + h0);
+    }
+    // O = P V over the block's 32-key slices, two 16-dim tiles at a time: tiles 0/1 the first
+    // half's, 2/3 the second's.
     const uint16_t* vh = vb + (kvh * (m / kKeys) + (base - t0) / kKeys) * dim_tiles * kTileElems;
-    for (int64_t u0 = 0; u0 < dim_tiles; u0 += 4) {
-      const int64_t tiles = std::min<int64_t>(4, dim_tiles - u0);
+    const uint16_t* p_half = probs.data() + kTileRows * ldp;
+    for (int64_t u0 = 0; u0 < dim_tiles; u0 += 2) {
       _tile_zero(0);
       _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
       for (int64_t p = 0; p < width / kKeys; ++p) {
         const uint16_t* vt = vh + (p * dim_tiles + u0) * kTileElems;
-        _tile_loadd(4, probs.data() + p * kKeys, ldp * 2);
         _tile_loadd(6, vt, 64);
+        _tile_loadd(7, vt + kTileElems, 64);
+        _tile_loadd(4, probs.data() + p * kKeys, ldp * 2);
         _tile_dpbf16ps(0, 4, 6);
-        if (tiles > 1) {
-          _tile_loadd(7, vt + kTileElems, 64);
-          _tile_dpbf16ps(1, 4, 7);
-        }
-        if (tiles > 2) {
-          _tile_loadd(6, vt + 2 * kTileElems, 64);
-          _tile_dpbf16ps(2, 4, 6);
-        }
-        if (tiles > 3) {
-          _tile_loadd(7, vt + 3 * kTileElems, 64);
-          _tile_dpbf16ps(3, 4, 7);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, p_half + p * kKeys, ldp * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
         }
       }
       float* oc = o.data() + u0 * 16;
       _tile_stored(0, oc, D * 4);
-      if (tiles > 1) _tile_stored(1, oc + 16, D * 4);
-      if (tiles > 2) _tile_stored(2, oc + 32, D * 4);
-      if (tiles > 3) _tile_stored(3, oc + 48, D * 4);
+      _tile_stored(1, oc + 16, D * 4);
+      if (two) {
+        _tile_stored(2, oc + kTileRows * D, D * 4);
+        _tile_stored(3, oc + kTileRows * D + 16, D * 4);
+      }
     }
     for (int64_t r = 0; r < rows; ++r) {
       const float inv = 1.f / sums[r];
@@ -242,7 +288,7 @@ void paged_prefill_attention_amx(torch::Tensor out, torch::Tensor query, torch::
     kb.resize(static_cast<size_t>(s.kv_heads * (n_pad - t0) * s.dim));
     vb.resize(kb.size());
     gather_tiles(kc, vc, block_table.data_ptr<int32_t>() + b * s.table_stride, t0, n, n_pad, s, kb.data(), vb.data());
-    const int64_t blocks = (q_len + kTileRows - 1) / kTileRows;
+    const int64_t blocks = (q_len + kBlockRows - 1) / kBlockRows;
     at::parallel_for(0, s.heads * blocks, 1, [&](int64_t i0, int64_t i1) {
       attend_blocks(o, q, kb.data(), vb.data(), q0, q_len, n, t0, n_pad, sliding_window, s,
                     static_cast<float>(scale), static_cast<float>(softcap), i0, i1);
