@@ -202,6 +202,24 @@ def test_prefill_kernel_sliding_windows(specs, num_kv_heads, group, head_dim, bl
     torch.testing.assert_close(out, ref, atol=tolerance, rtol=tolerance)
 
 
+# Contexts longer than the AMX kernel's 1,024-key softmax chunks: each row's running maximum and
+# sums carried from chunk to chunk (rescaled when a later chunk holds a larger score), rows whose
+# window starts past a chunk or whose causal limit ends before one; the other kernels on the same
+# batches. Prompts of 2+ chunks, chunks after a prefix of several, a GQA group sharing each chunk.
+@pytest.mark.parametrize("isa,dtype", PREFILL_KERNELS)
+@pytest.mark.parametrize("window", [None, 700])
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size", [(3, 3, 64, 16), (1, 4, 256, 16)])
+def test_prefill_contexts_longer_than_a_key_chunk(num_kv_heads, group, head_dim, block_size, window, dtype, isa,
+                                                  monkeypatch):
+    calls, entry = route_prefill_rows_to_the_kernel(isa, dtype, monkeypatch)
+    specs = [(2200, 90), (0, 1100), (1000, 45)]
+    out, ref = run_both(specs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, block_size=block_size,
+                        dtype=dtype, window=window)
+    assert calls and set(calls) == {entry}
+    tolerance = 2e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out, ref, atol=tolerance, rtol=tolerance)
+
+
 def route_prefill_rows_to_the_kernel(isa: str, dtype: torch.dtype, monkeypatch) -> tuple[list[str], str]:
     """Prefill rows through the prefill kernel's `isa` entry, the reference SDPA refused; returns the
     list its calls are recorded in and the entry's name (skips where the CPU cannot run it)."""

@@ -76,8 +76,8 @@ def test_decode_rows_capped_in_the_kernel(num_kv_heads, group, head_dim, block_s
 @pytest.mark.parametrize("isa,dtype", PREFILL_KERNELS)
 @pytest.mark.parametrize("window", [None, 33])
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size", [(4, 2, 256, 16), (2, 3, 64, 7)])
-@pytest.mark.parametrize("specs", [[(0, 150)], [(100, 60), (0, 13), (40, 1), (7, 2)], MIXED],
-                         ids=["prompt", "chunks", "mixed"])
+@pytest.mark.parametrize("specs", [[(0, 150)], [(100, 60), (0, 13), (40, 1), (7, 2)], MIXED, [(1100, 40)]],
+                         ids=["prompt", "chunks", "mixed", "past-a-key-chunk"])
 def test_prefill_rows_capped_in_the_kernel(specs, num_kv_heads, group, head_dim, block_size, window, dtype, isa,
                                            monkeypatch):
     calls, entry = route_prefill_rows_to_the_kernel(isa, dtype, monkeypatch)

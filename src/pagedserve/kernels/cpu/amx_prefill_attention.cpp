@@ -1,16 +1,16 @@
 // Prefill rows of bf16 queries attending causally over a bf16 paged KV cache on Intel AMX
 // (paged_prefill_attention_amx): the same computation as paged_prefill_attention.cpp (per block
-// of query rows, S = Q K^T, an exact softmax per row in fp32, O = P V / row sums), with both
-// GEMMs on tdpbf16ps.
+// of query rows, S = Q K^T, a softmax per row in fp32, O = P V / row sums), with both GEMMs on
+// tdpbf16ps.
 //
 // Why: on AMX hosts bf16 prefill went through torch's CPU flash attention, which ran a 512-token
 // SmolLM2 prompt's attention at ~0.12 TFLOP/s (1.3 ms per layer, 39 ms of a 125 ms prefill), and
-// slower past a cached prefix (an explicit mask). The GEMMs here are small (16 query rows by 32
-// keys by head_dim) and need no packing beyond the gather below; the softmax's exponentials are
-// now the larger cost (docs/benchmarks.md).
+// slower past a cached prefix (an explicit mask). The GEMMs here are small (32 query rows by 32
+// keys by head_dim) and need no packing beyond the gather below (docs/benchmarks.md).
 //
 // Numerics are those of torch's bf16 flash attention: scores accumulate in fp32, the softmax runs
-// in fp32, the probabilities are rounded to bf16 for the P V product (accumulated in fp32), and
+// in fp32 over key chunks (a running maximum per row; the sums and P V so far rescaled when it
+// grows), the probabilities are rounded to bf16 for the P V product (accumulated in fp32), and
 // each output row is divided by its fp32 row sum and rounded once to bf16.
 //
 // Layout. Per sequence, the keys some row may see are gathered once (from t0, a multiple of 32)
@@ -19,13 +19,14 @@
 //     K[c][2r], K[c][2r + 1] of its 32 dims;
 //   V, for O = P V: one tile per 32 keys and 16 dims: row r holds, for dim c = 0..15, the pair
 //     V[2r][c], V[2r + 1][c] of its 32 keys.
-// Keys past the sequence are zero. A work item is (query head, block of 32 rows: two 16-row
-// halves); its query rows are copied into a zero-padded 32 x head_dim buffer (the A operands), its
-// scores are formed 32 keys at a time from the block's first visible panel to its causal limit, and
-// its probabilities (bf16, zero outside each row's visible keys) are the A operands of P V, 32
-// output dims at a time. Both halves multiply the same K and V tiles (four accumulator tiles), so
-// each tile loaded from L2 feeds two tdpbf16ps where one 16-row half per item fed one (-35% at
-// 512 and 1,024 + 1,024 rows). Sliding windows and the Gemma 2 softcap as in paged_prefill_attention.
+// Keys past the sequence are zero. A work item is (KV head, block of 32 rows: two 16-row halves)
+// for every query head of the KV head; its query rows are copied into zero-padded 32 x head_dim
+// buffers (the A operands). From the block's first visible panel to its causal limit, one key
+// chunk (kChunkKeys) at a time and per query head: the chunk's scores 32 keys at a time, their
+// probabilities (bf16, zero outside each row's visible keys) the A operands of P V, 32 output
+// dims at a time, added to O. Both halves multiply the same K and V tiles (four accumulator
+// tiles), so each tile load feeds two tdpbf16ps; the group's heads find the chunk's tiles in L2.
+// Sliding windows and the Gemma 2 softcap as in paged_prefill_attention.
 
 #include <ATen/Parallel.h>
 
@@ -47,6 +48,7 @@ using amx::kTileRows;
 
 constexpr int64_t kKeys = 32;  // keys per score step (two 16-key tiles) and per P V slice
 constexpr int64_t kBlockRows = 2 * kTileRows;  // query rows per work item (two tiles of rows)
+constexpr int64_t kChunkKeys = 1024;  // keys per softmax chunk (a 32-row block's scores: 132 KB; 256 and 512 measured slower)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 using Shapes = PrefillShapes;
@@ -96,20 +98,25 @@ PAGEDSERVE_AMX inline __m512 exp2_nonpositive(__m512 t) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Score rows (fp32, ld apart) -> bf16 probabilities e^{(s - max) * scale} over [begin[r], visible[r]),
-// 0 elsewhere in [0, keys); the fp32 sums. Rows from `rows` to 16 are zero.
-PAGEDSERVE_AMX void softmax_to_bf16(const float* scores, int64_t ld, int64_t rows, int64_t keys, const int64_t* begin,
-                                    const int64_t* visible, float scale, uint16_t* probs, int64_t ldp, float* sums) {
-  const float log2_scale = scale * 1.4426950408889634f;  // e^{x scale} = 2^{x scale log2(e)}
-  const __m512 c = _mm512_set1_ps(log2_scale);
+// One 16-row tile of a key chunk's scores (fp32, ld apart; chunk keys [0, keys)) -> bf16
+// probabilities 2^{s c - max c} over each row's visible keys [lo[r], hi[r]) (0 elsewhere; rows from
+// `rows` to 16 all 0), c = scale log2(e), where max is the row's running maximum over this and the
+// earlier chunks (state max[r], sum[r], updated); alpha[r]: what the row's earlier probabilities
+// (its sum and P V so far) are multiplied by for the new maximum, 1 for a row with no visible key
+// here. Torch's CPU flash attention takes its key blocks the same way.
+PAGEDSERVE_AMX void softmax_chunk(const float* scores, int64_t ld, int64_t rows, int64_t keys, const int64_t* lo,
+                                  const int64_t* hi, float c, float* max, float* sum, float* alpha, uint16_t* probs,
+                                  int64_t ldp) {
+  const __m512 cv = _mm512_set1_ps(c);
   for (int64_t r = 0; r < kTileRows; ++r) {
     uint16_t* p = probs + r * ldp;
-    if (r >= rows) {
+    const int64_t b = r < rows ? lo[r] : 0, e = r < rows ? hi[r] : 0;
+    if (b >= e) {
       std::fill(p, p + keys, uint16_t{0});
+      if (r < rows) alpha[r] = 1.f;
       continue;
     }
     const float* s = scores + r * ld;
-    const int64_t b = begin[r], e = visible[r];
     __m512 m = _mm512_set1_ps(kNegInf), m2 = m;  // two chains: the max's latency, not its loads, bound it
     int64_t j = b;
     for (; j + 32 <= e; j += 32) {
@@ -118,31 +125,48 @@ PAGEDSERVE_AMX void softmax_to_bf16(const float* scores, int64_t ld, int64_t row
     }
     for (; j + 16 <= e; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
     if (j < e) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, static_cast<__mmask16>((1u << (e - j)) - 1), s + j));
-    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(m, m2)) * log2_scale);
+    const float new_max = std::max(max[r], _mm512_reduce_max_ps(_mm512_max_ps(m, m2)));
+    // The first visible chunk: no earlier sums to rescale (and -inf - max would be NaN).
+    alpha[r] = max[r] == kNegInf ? 0.f : _mm512_cvtss_f32(exp2_nonpositive(_mm512_set1_ps((max[r] - new_max) * c)));
+    max[r] = new_max;
+    const __m512 shift = _mm512_set1_ps(new_max * c);
     std::fill(p, p + b, uint16_t{0});
-    __m512 sum = _mm512_setzero_ps();
+    __m512 total = _mm512_setzero_ps();
     // Rounded to nearest even and stored straight from the register (a copy through the stack
     // stalled on store forwarding: a quarter of the kernel's time).
     for (j = b; j + 16 <= e; j += 16) {
-      const __m512 ex = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), c, shift));
-      sum = _mm512_add_ps(sum, ex);
+      const __m512 ex = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), cv, shift));
+      total = _mm512_add_ps(total, ex);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(ex)));
     }
     if (j < e) {
       const __mmask16 live = static_cast<__mmask16>((1u << (e - j)) - 1);
-      const __m512 ex = _mm512_maskz_mov_ps(live, exp2_nonpositive(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, s + j), c, shift)));
-      sum = _mm512_add_ps(sum, ex);
+      const __m512 x = _mm512_maskz_loadu_ps(live, s + j);
+      const __m512 ex = _mm512_maskz_mov_ps(live, exp2_nonpositive(_mm512_fmsub_ps(x, cv, shift)));
+      total = _mm512_add_ps(total, ex);
       _mm256_mask_storeu_epi16(p + j, live, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(ex)));
     }
     std::fill(p + e, p + keys, uint16_t{0});
-    sums[r] = _mm512_reduce_add_ps(sum);
+    sum[r] = sum[r] * alpha[r] + _mm512_reduce_add_ps(total);
   }
 }
 
-// Work items [i0, i1) of one sequence: (head, block of 32 rows) pairs, query rows [q0, q0 + q_len) at
-// positions [n - q_len, n), over the tiles gathered from t0; window 0: none. A block's two 16-row
-// halves share every key and value tile load (2 x 2 accumulator tiles): one half per item read
-// each K and V tile from L2 for two tdpbf16ps, at the L2's rate.
+// The order work items run in: (KV head, 32-row block), blocks zigzagged (first, last, second, ...)
+// so that at::parallel_for's contiguous ranges get as many early (short causal) blocks as late ones.
+struct Item {
+  int64_t kv_head, row0;
+};
+inline Item item_at(int64_t i, int64_t blocks) {
+  const int64_t j = i % blocks, b = j % 2 == 0 ? j / 2 : blocks - 1 - j / 2;
+  return {i / blocks, b * kBlockRows};
+}
+
+// Work items [i0, i1) of one sequence (item_at), query rows [q0, q0 + q_len) at positions
+// [n - q_len, n), over the tiles gathered from t0; window 0: none. An item runs the block's rows
+// for every query head of its KV head, key chunk by key chunk (kChunkKeys): each chunk's K and V
+// tiles come from memory once for the group and its scores stay in L2, where one pass per head
+// over the whole context went to memory for K, V, 32 rows of scores and their probabilities. The
+// block's two 16-row halves share every K and V tile load (2 x 2 accumulator tiles).
 PAGEDSERVE_AMX void attend_blocks(uint16_t* out, const uint16_t* query, const uint16_t* kb, const uint16_t* vb,
                                   int64_t q0, int64_t q_len, int64_t n, int64_t t0, int64_t n_pad, int64_t window,
                                   const Shapes& s, float scale, float softcap, int64_t i0, int64_t i1) {
@@ -151,109 +175,146 @@ PAGEDSERVE_AMX void attend_blocks(uint16_t* out, const uint16_t* query, const ui
   const int64_t slices = D / 32, dim_tiles = D / 16, first_pos = n - q_len;
   const int64_t blocks = (q_len + kBlockRows - 1) / kBlockRows;
   auto window_start = [&](int64_t p) { return window > 0 ? std::max<int64_t>(0, p - window + 1) : int64_t{0}; };
-  // Rows one panel past the gathered keys apart (no power-of-two stride: see the fp32 kernel).
-  const int64_t lds = m + kKeys, ldp = m + kKeys;
+  // Rows one panel past a chunk apart (no power-of-two stride: see the fp32 kernel).
+  const int64_t lds = kChunkKeys + kKeys, ldp = kChunkKeys + kKeys;
   std::vector<float> scores(static_cast<size_t>(kBlockRows * lds));
   std::vector<uint16_t> probs(static_cast<size_t>(kBlockRows * ldp));
-  std::vector<uint16_t> q_rows(static_cast<size_t>(kBlockRows * D));
-  std::vector<float> o(static_cast<size_t>(kBlockRows * D));
+  std::vector<uint16_t> q_rows(static_cast<size_t>(group * kBlockRows * D));
+  std::vector<float> o(static_cast<size_t>(group * kBlockRows * D));
+  std::vector<float> row_max(static_cast<size_t>(group * kBlockRows)), row_sum(row_max.size());
+  float alpha[kBlockRows];
+  // Gemma 2's softcap: the scaled scores capped, then their softmax unscaled.
+  const float c = (softcap > 0.f ? 1.f : scale) * 1.4426950408889634f;  // e^{x} = 2^{x log2(e)}
   for (int64_t i = i0; i < i1; ++i) {
-    const int64_t h = i / blocks, r0 = (i % blocks) * kBlockRows, rows = std::min(kBlockRows, q_len - r0);
+    const Item item = item_at(i, blocks);
+    const int64_t kvh = item.kv_head, r0 = item.row0, rows = std::min(kBlockRows, q_len - r0);
     const bool two = rows > kTileRows;  // a second 16-row half
-    const int64_t kvh = h / group;
     const int64_t keys = first_pos + r0 + rows;  // the block's last row sees keys [.., keys)
     const int64_t keys_pad = (keys + kKeys - 1) / kKeys * kKeys;
     const int64_t base = window_start(first_pos + r0) / kKeys * kKeys;  // >= t0, a multiple of 32
-    const int64_t width = keys_pad - base;
     std::fill(q_rows.begin(), q_rows.end(), uint16_t{0});
-    for (int64_t r = 0; r < rows; ++r) {
-      std::copy(query + (q0 + r0 + r) * ldq + h * D, query + (q0 + r0 + r) * ldq + (h + 1) * D, q_rows.data() + r * D);
-    }
-    // S = Q K^T, 32 keys at a time: tiles 0/1 the first half's two 16-key tiles, 2/3 the second's.
-    const uint16_t* kh = kb + kvh * (m / 16) * slices * kTileElems;
-    const uint16_t* q_half = q_rows.data() + kTileRows * D;
-    for (int64_t k0 = base; k0 < keys_pad; k0 += kKeys) {
-      const uint16_t* kt = kh + ((k0 - t0) / 16) * slices * kTileElems;
-      _tile_zero(0);
-      _tile_zero(1);
-      if (two) {
-        _tile_zero(2);
-        _tile_zero(3);
-      }
-      for (int64_t sl = 0; sl < slices; ++sl) {
-        _tile_loadd(6, kt + sl * kTileElems, 64);
-        _tile_loadd(7, kt + (slices + sl) * kTileElems, 64);
-        _tile_loadd(4, q_rows.data() + sl * 32, D * 2);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (two) {
-          _tile_loadd(5, q_half + sl * 32, D * 2);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-      }
-      float* sc = scores.data() + (k0 - base);
-      _tile_stored(0, sc, lds * 4);
-      _tile_stored(1, sc + 16, lds * 4);
-      if (two) {
-        _tile_stored(2, sc + kTileRows * lds, lds * 4);
-        _tile_stored(3, sc + kTileRows * lds + 16, lds * 4);
-      }
-    }
-    int64_t begin[kBlockRows], visible[kBlockRows];  // per row, relative to base
-    float sums[kBlockRows];
-    for (int64_t r = 0; r < rows; ++r) {
-      begin[r] = window_start(first_pos + r0 + r) - base;
-      visible[r] = first_pos + r0 + r + 1 - base;
-    }
-    float softmax_scale = scale;
-    if (softcap > 0.f) {  // Gemma 2: cap the scaled scores each row may see, then softmax them unscaled
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t h = kvh * group + g;
       for (int64_t r = 0; r < rows; ++r) {
-        softcap_scores(scores.data() + r * lds + begin[r], visible[r] - begin[r], scale, softcap);
+        const uint16_t* q = query + (q0 + r0 + r) * ldq + h * D;
+        std::copy(q, q + D, q_rows.data() + (g * kBlockRows + r) * D);
       }
-      softmax_scale = 1.f;
     }
-    for (int64_t half = 0; half < (two ? 2 : 1); ++half) {
-      const int64_t h0 = half * kTileRows;
-      softmax_to_bf16(scores.data() + h0 * lds, lds, std::min(kTileRows, rows - h0), width, begin + h0,
-                      visible + h0, softmax_scale, probs.data() + h0 * ldp, ldp, sums + h0);
+    std::fill(row_max.begin(), row_max.end(), kNegInf);
+    std::fill(row_sum.begin(), row_sum.end(), 0.f);
+    int64_t begin[kBlockRows], visible[kBlockRows];  // per row, absolute key positions
+    for (int64_t r = 0; r < rows; ++r) {
+      begin[r] = window_start(first_pos + r0 + r);
+      visible[r] = first_pos + r0 + r + 1;
     }
-    // O = P V over the block's 32-key slices, two 16-dim tiles at a time: tiles 0/1 the first
-    // half's, 2/3 the second's.
-    const uint16_t* vh = vb + (kvh * (m / kKeys) + (base - t0) / kKeys) * dim_tiles * kTileElems;
-    const uint16_t* p_half = probs.data() + kTileRows * ldp;
-    for (int64_t u0 = 0; u0 < dim_tiles; u0 += 2) {
-      _tile_zero(0);
-      _tile_zero(1);
-      if (two) {
-        _tile_zero(2);
-        _tile_zero(3);
+    const uint16_t* kh = kb + kvh * (m / 16) * slices * kTileElems;
+    for (int64_t c0 = base; c0 < keys_pad; c0 += kChunkKeys) {
+      const int64_t width = std::min(kChunkKeys, keys_pad - c0);
+      int64_t lo[kBlockRows], hi[kBlockRows];  // each row's visible keys in the chunk, chunk-relative
+      for (int64_t r = 0; r < rows; ++r) {
+        lo[r] = std::clamp<int64_t>(begin[r] - c0, 0, width);
+        hi[r] = std::clamp<int64_t>(visible[r] - c0, 0, width);
       }
-      for (int64_t p = 0; p < width / kKeys; ++p) {
-        const uint16_t* vt = vh + (p * dim_tiles + u0) * kTileElems;
-        _tile_loadd(6, vt, 64);
-        _tile_loadd(7, vt + kTileElems, 64);
-        _tile_loadd(4, probs.data() + p * kKeys, ldp * 2);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (two) {
-          _tile_loadd(5, p_half + p * kKeys, ldp * 2);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+      const uint16_t* vh = vb + (kvh * (m / kKeys) + (c0 - t0) / kKeys) * dim_tiles * kTileElems;
+      for (int64_t g = 0; g < group; ++g) {
+        const uint16_t* qg = q_rows.data() + g * kBlockRows * D;
+        float* og = o.data() + g * kBlockRows * D;
+        // S = Q K^T, 32 keys at a time: tiles 0/1 the first half's two 16-key tiles, 2/3 the second's.
+        for (int64_t k0 = c0; k0 < c0 + width; k0 += kKeys) {
+          const uint16_t* kt = kh + ((k0 - t0) / 16) * slices * kTileElems;
+          _tile_zero(0);
+          _tile_zero(1);
+          if (two) {
+            _tile_zero(2);
+            _tile_zero(3);
+          }
+          for (int64_t sl = 0; sl < slices; ++sl) {
+            _tile_loadd(6, kt + sl * kTileElems, 64);
+            _tile_loadd(7, kt + (slices + sl) * kTileElems, 64);
+            _tile_loadd(4, qg + sl * 32, D * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (two) {
+              _tile_loadd(5, qg + kTileRows * D + sl * 32, D * 2);
+              _tile_dpbf16ps(2, 5, 6);
+              _tile_dpbf16ps(3, 5, 7);
+            }
+          }
+          float* sc = scores.data() + (k0 - c0);
+          _tile_stored(0, sc, lds * 4);
+          _tile_stored(1, sc + 16, lds * 4);
+          if (two) {
+            _tile_stored(2, sc + kTileRows * lds, lds * 4);
+            _tile_stored(3, sc + kTileRows * lds + 16, lds * 4);
+          }
+        }
+        if (softcap > 0.f) {
+          for (int64_t r = 0; r < rows; ++r) {
+            softcap_scores(scores.data() + r * lds + lo[r], hi[r] - lo[r], scale, softcap);
+          }
+        }
+        float* mg = row_max.data() + g * kBlockRows;
+        float* sg = row_sum.data() + g * kBlockRows;
+        for (int64_t half = 0; half < 2; ++half) {  // the second half's probabilities are 0 past `rows`
+          const int64_t h0 = half * kTileRows;
+          if (half == 1 && !two) break;
+          softmax_chunk(scores.data() + h0 * lds, lds, std::min(kTileRows, rows - h0), width, lo + h0, hi + h0, c,
+                        mg + h0, sg + h0, alpha + h0, probs.data() + h0 * ldp, ldp);
+        }
+        const bool first = c0 == base;  // O starts at 0; later chunks add to it, rescaled first
+        if (!first) {
+          for (int64_t r = 0; r < rows; ++r) {
+            if (alpha[r] == 1.f) continue;
+            for (int64_t d = 0; d < D; d += 16) storev(og + r * D + d, loadv<v16sf>(og + r * D + d) * alpha[r]);
+          }
+        }
+        // O += P V over the chunk's 32-key slices, two 16-dim tiles at a time: tiles 0/1 the first
+        // half's, 2/3 the second's.
+        for (int64_t u0 = 0; u0 < dim_tiles; u0 += 2) {
+          float* oc = og + u0 * 16;
+          if (first) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+          } else {
+            _tile_loadd(0, oc, D * 4);
+            _tile_loadd(1, oc + 16, D * 4);
+            if (two) {
+              _tile_loadd(2, oc + kTileRows * D, D * 4);
+              _tile_loadd(3, oc + kTileRows * D + 16, D * 4);
+            }
+          }
+          for (int64_t p = 0; p < width / kKeys; ++p) {
+            const uint16_t* vt = vh + (p * dim_tiles + u0) * kTileElems;
+            _tile_loadd(6, vt, 64);
+            _tile_loadd(7, vt + kTileElems, 64);
+            _tile_loadd(4, probs.data() + p * kKeys, ldp * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (two) {
+              _tile_loadd(5, probs.data() + kTileRows * ldp + p * kKeys, ldp * 2);
+              _tile_dpbf16ps(2, 5, 6);
+              _tile_dpbf16ps(3, 5, 7);
+            }
+          }
+          _tile_stored(0, oc, D * 4);
+          _tile_stored(1, oc + 16, D * 4);
+          if (two) {
+            _tile_stored(2, oc + kTileRows * D, D * 4);
+            _tile_stored(3, oc + kTileRows * D + 16, D * 4);
+          }
         }
       }
-      float* oc = o.data() + u0 * 16;
-      _tile_stored(0, oc, D * 4);
-      _tile_stored(1, oc + 16, D * 4);
-      if (two) {
-        _tile_stored(2, oc + kTileRows * D, D * 4);
-        _tile_stored(3, oc + kTileRows * D + 16, D * 4);
-      }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const float inv = 1.f / sums[r];
-      uint16_t* dst = out + (q0 + r0 + r) * ldq + h * D;
-      for (int64_t d = 0; d < D; d += 16) float_to_bf16x16(loadv<v16sf>(o.data() + r * D + d) * inv, dst + d);
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t h = kvh * group + g;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float inv = 1.f / row_sum[g * kBlockRows + r];
+        const float* og = o.data() + (g * kBlockRows + r) * D;
+        uint16_t* dst = out + (q0 + r0 + r) * ldq + h * D;
+        for (int64_t d = 0; d < D; d += 16) float_to_bf16x16(loadv<v16sf>(og + d) * inv, dst + d);
+      }
     }
   }
   _tile_release();
@@ -289,7 +350,7 @@ void paged_prefill_attention_amx(torch::Tensor out, torch::Tensor query, torch::
     vb.resize(kb.size());
     gather_tiles(kc, vc, block_table.data_ptr<int32_t>() + b * s.table_stride, t0, n, n_pad, s, kb.data(), vb.data());
     const int64_t blocks = (q_len + kBlockRows - 1) / kBlockRows;
-    at::parallel_for(0, s.heads * blocks, 1, [&](int64_t i0, int64_t i1) {
+    at::parallel_for(0, s.kv_heads * blocks, 1, [&](int64_t i0, int64_t i1) {
       attend_blocks(o, q, kb.data(), vb.data(), q0, q_len, n, t0, n_pad, sliding_window, s,
                     static_cast<float>(scale), static_cast<float>(softcap), i0, i1);
     });
