@@ -10,7 +10,9 @@ prompts, a different slice per request), all arriving at once, each generating `
 tokens greedily with EOS ignored; per cell the output tok/s over the cell's wall time and the
 mean TTFT (time from the cell's start to a request's first token), on each side. Each side runs in
 its own child process (bench/scaling_child.py); both stay loaded and take turns cell by cell (the
-order flips each cell), so load from elsewhere on the machine falls on both alike. Both get the
+order flips each cell), so load from elsewhere on the machine falls on both alike; each cell
+starts once the machine is idle again (vLLM's engine core keeps about one CPU busy for a second
+or so after its work, which the next cell would otherwise run beside). Both get the
 same KV memory (--kv-cache-memory, default 4 GiB: vLLM's VLLM_CPU_KVCACHE_SPACE), the same
 max_num_seqs (default 64), chunked prefill on, prefix caching off; a cell whose KV does not fit at once queues on both sides alike.
 
@@ -31,6 +33,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +41,10 @@ from bench.common import W64, add_engine_flags, load_workload, refuse_engine_fla
 from bench.vllm_peer import cpu_flags, ensure_vllm_venv
 
 SIDES = ("pagedserve", "vllm")
+QUIET_IDLE_SHARE = 0.9
+"""Share of the CPUs idle over half a second at which a cell starts (wait_for_quiet)."""
+QUIET_MAX_S = 30.0
+"""Most seconds a cell waits for that; it then starts anyway, and the table says so."""
 CHILD_FLAGS = ("model", "dtype", "max_num_seqs", "kv_cache_memory")
 """The engine flags bench/scaling_child.py takes (the same for both sides); the others are refused."""
 
@@ -69,6 +76,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown := sorted(set(args.sides) - set(SIDES)):
         ap.error(f"--sides: unknown {unknown}; choose from {list(SIDES)}")
     return args
+
+
+def idle_cpus(window_s: float) -> float:
+    """CPUs' worth of idle time on the machine over the next window_s seconds (/proc/stat)."""
+    def ticks() -> tuple[int, int]:
+        with open("/proc/stat", encoding="ascii") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        return values[3] + values[4], sum(values)  # idle + iowait, all
+    idle0, total0 = ticks()
+    time.sleep(window_s)
+    idle1, total1 = ticks()
+    return (idle1 - idle0) / max(1, total1 - total0) * (os.cpu_count() or 1)
+
+
+def wait_for_quiet(max_s: float = QUIET_MAX_S) -> float:
+    """Waits until the machine is idle (QUIET_IDLE_SHARE of its CPUs over a 0.5 s window), at most
+    max_s; returns the seconds waited. Why: the side that just ran a cell keeps CPUs busy after it
+    (vLLM's idle engine core polls at about one CPU for a second or more), and a cell started then
+    runs beside a neighbour (pagedserve's first token measured 0.44 s instead of 0.04 at 128 x 1,
+    its thread governor giving up a thread for the neighbour)."""
+    start = time.monotonic()
+    while time.monotonic() - start < max_s:
+        if idle_cpus(0.5) >= QUIET_IDLE_SHARE * (os.cpu_count() or 1):
+            break
+    return time.monotonic() - start
 
 
 def model_limit(model: str) -> int:
@@ -201,8 +233,12 @@ def main(argv: list[str] | None = None) -> None:
                 sides.append(Side(name, python, args, model, dtype, pool_file, max_model_len))
             # Both engines stay loaded and take turns per cell (the order flips every cell), so a
             # neighbour's load on this machine falls on both sides of a ratio alike.
+            # Each cell starts on an idle machine (wait_for_quiet).
             for i, cell in enumerate(cells):
                 for side in sides[::-1] if i % 2 else sides:
+                    if wait_for_quiet() >= QUIET_MAX_S:
+                        print(f"[{side.name}] the machine stayed busy for {QUIET_MAX_S:.0f} s: this cell ran beside "
+                              "that load", flush=True)
                     results[side.name].append(side.run(cell))
         finally:
             for side in sides:
