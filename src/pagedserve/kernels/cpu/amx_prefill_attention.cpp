@@ -53,29 +53,81 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 using Shapes = PrefillShapes;
 
+// r[c] (16 x 16 32-bit words) transposed in place: r[j] lane c = the old r[c] lane j.
+PAGEDSERVE_AMX inline void transpose16x16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // within 128-bit lanes: pairs of rows
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4 i + j], lane L: rows 4 i .. 4 i + 3 of column 4 L + j
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // the 128-bit lanes of u[j], u[4 + j], u[8 + j], u[12 + j] transposed
+    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xee);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xee);
+    r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+    r[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+  }
+}
+
+// 16 dims from d0 of KV head h at cache slot `at` (-1: zeros), each in the low half of a 32-bit lane.
+PAGEDSERVE_AMX inline __m512i widened_dims(const uint16_t* cache, int64_t at, int64_t H, int64_t h, int64_t D,
+                                           int64_t d0) {
+  if (at < 0) return _mm512_setzero_si512();
+  return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cache + (at * H + h) * D + d0)));
+}
+
+// Panels [p0, p1) (32 keys each, from t0) of gather_tiles. A K tile's 16 rows are 16 keys' 64-byte
+// slices transposed as 32-bit pairs; a V tile's row interleaves two keys' 16 dims.
+PAGEDSERVE_AMX void gather_panels(const uint16_t* key_cache, const uint16_t* value_cache, const int32_t* table,
+                                  int64_t t0, int64_t n, int64_t m, const Shapes& s, uint16_t* kb, uint16_t* vb,
+                                  int64_t p0, int64_t p1) {
+  const int64_t D = s.dim, H = s.kv_heads, slices = D / 32, dim_tiles = D / 16;
+  for (int64_t p = p0; p < p1; ++p) {
+    int64_t slot[kKeys];  // each key's cache slot, -1 past the sequence
+    for (int64_t i = 0; i < kKeys; ++i) {
+      const int64_t t = t0 + p * kKeys + i;
+      slot[i] = t < n ? static_cast<int64_t>(table[t / s.block_size]) * s.block_size + t % s.block_size : -1;
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t g = 0; g < 2; ++g) {  // K: the panel's two 16-key tiles per 32-dim slice
+        uint16_t* kt = kb + (h * (m / 16) + p * 2 + g) * slices * kTileElems;
+        for (int64_t sl = 0; sl < slices; ++sl) {
+          __m512i rows[16];
+          for (int64_t c = 0; c < 16; ++c) {
+            const int64_t at = slot[g * 16 + c];
+            rows[c] = at < 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(key_cache + (at * H + h) * D + sl * 32);
+          }
+          transpose16x16(rows);
+          for (int64_t r = 0; r < 16; ++r) _mm512_storeu_si512(kt + sl * kTileElems + r * 32, rows[r]);
+        }
+      }
+      uint16_t* vt = vb + (h * (m / kKeys) + p) * dim_tiles * kTileElems;
+      for (int64_t dt = 0; dt < dim_tiles; ++dt) {  // V: row r holds keys 2 r (low halves) and 2 r + 1
+        for (int64_t r = 0; r < 16; ++r) {
+          const __m512i even = widened_dims(value_cache, slot[2 * r], H, h, D, dt * 16);
+          const __m512i odd = widened_dims(value_cache, slot[2 * r + 1], H, h, D, dt * 16);
+          _mm512_storeu_si512(vt + dt * kTileElems + r * 32, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+        }
+      }
+    }
+  }
+}
+
 // Keys and values of tokens [t0, n_pad) of one sequence (zero from n on) into the tile layouts
 // above: kb[h][key tile][dim slice], vb[h][key slice][dim tile], each tile 512 bf16.
 void gather_tiles(const uint16_t* key_cache, const uint16_t* value_cache, const int32_t* table, int64_t t0,
                   int64_t n, int64_t n_pad, const Shapes& s, uint16_t* kb, uint16_t* vb) {
-  const int64_t D = s.dim, H = s.kv_heads, m = n_pad - t0, slices = D / 32, dim_tiles = D / 16;
+  const int64_t m = n_pad - t0;
   at::parallel_for(0, m / kKeys, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      for (int64_t i = 0; i < kKeys; ++i) {
-        const int64_t t = t0 + p * kKeys + i, key = p * kKeys + i;
-        const int64_t slot = t < n ? static_cast<int64_t>(table[t / s.block_size]) * s.block_size + t % s.block_size : -1;
-        const int64_t c = key % 16, vr = i / 2, ve = i % 2;
-        for (int64_t h = 0; h < H; ++h) {
-          const uint16_t* k = slot < 0 ? nullptr : key_cache + (slot * H + h) * D;
-          const uint16_t* v = slot < 0 ? nullptr : value_cache + (slot * H + h) * D;
-          uint16_t* kt = kb + (h * (m / 16) + key / 16) * slices * kTileElems;
-          uint16_t* vt = vb + (h * (m / kKeys) + p) * dim_tiles * kTileElems;
-          for (int64_t d = 0; d < D; ++d) {
-            kt[(d / 32) * kTileElems + ((d % 32) / 2) * 32 + c * 2 + d % 2] = k ? k[d] : 0;
-            vt[(d / 16) * kTileElems + vr * 32 + (d % 16) * 2 + ve] = v ? v[d] : 0;
-          }
-        }
-      }
-    }
+    gather_panels(key_cache, value_cache, table, t0, n, m, s, kb, vb, p0, p1);
   });
 }
 
