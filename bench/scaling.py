@@ -44,7 +44,7 @@ SIDES = ("pagedserve", "vllm")
 QUIET_IDLE_SHARE = 0.9
 """Share of the CPUs idle over half a second at which a cell starts (wait_for_quiet)."""
 QUIET_MAX_S = 30.0
-"""Most seconds a cell waits for that; it then starts anyway, and the table says so."""
+"""Most seconds a cell waits for that; it then starts anyway, and a line before its result says so."""
 CHILD_FLAGS = ("model", "dtype", "max_num_seqs", "kv_cache_memory")
 """The engine flags bench/scaling_child.py takes (the same for both sides); the others are refused."""
 

@@ -177,8 +177,11 @@ PAGEDSERVE_AMX void softmax_chunk(const float* scores, int64_t ld, int64_t rows,
     for (; j + 16 <= e; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
     if (j < e) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, static_cast<__mmask16>((1u << (e - j)) - 1), s + j));
     const float new_max = std::max(max[r], _mm512_reduce_max_ps(_mm512_max_ps(m, m2)));
-    // The first visible chunk: no earlier sums to rescale (and -inf - max would be NaN).
-    alpha[r] = max[r] == kNegInf ? 0.f : _mm512_cvtss_f32(exp2_nonpositive(_mm512_set1_ps((max[r] - new_max) * c)));
+    // The first visible chunk: no earlier sums to rescale (and -inf - max would be NaN). An
+    // unchanged maximum leaves them exactly as they are (the polynomial's 2^0 is 1 - 7e-7).
+    alpha[r] = max[r] == kNegInf   ? 0.f
+               : new_max == max[r] ? 1.f
+                                   : _mm512_cvtss_f32(exp2_nonpositive(_mm512_set1_ps((max[r] - new_max) * c)));
     max[r] = new_max;
     const __m512 shift = _mm512_set1_ps(new_max * c);
     std::fill(p, p + b, uint16_t{0});
