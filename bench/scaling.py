@@ -79,15 +79,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def idle_cpus(window_s: float) -> float:
-    """CPUs' worth of idle time on the machine over the next window_s seconds (/proc/stat)."""
-    def ticks() -> tuple[int, int]:
-        with open("/proc/stat", encoding="ascii") as f:
-            values = [int(v) for v in f.readline().split()[1:]]
-        return values[3] + values[4], sum(values)  # idle + iowait, all
-    idle0, total0 = ticks()
+    """CPUs' worth of idle time on the CPUs this process may run on (the sides' too) over the next
+    window_s seconds, as the thread governor reads it; all of them where /proc/stat is unreadable."""
+    from pagedserve.core.cpu_threads import allowed_cpus
+    from pagedserve.core.thread_governor import idle_cpu_seconds
+
+    cpus = allowed_cpus()
+    idle0, start = idle_cpu_seconds(cpus), time.monotonic()
     time.sleep(window_s)
-    idle1, total1 = ticks()
-    return (idle1 - idle0) / max(1, total1 - total0) * (os.cpu_count() or 1)
+    idle1 = idle_cpu_seconds(cpus)
+    if idle0 is None or idle1 is None:
+        return float(len(cpus))
+    return (idle1 - idle0) / (time.monotonic() - start)
 
 
 def wait_for_quiet(max_s: float = QUIET_MAX_S) -> float:
@@ -98,7 +101,7 @@ def wait_for_quiet(max_s: float = QUIET_MAX_S) -> float:
     its thread governor giving up a thread for the neighbour)."""
     start = time.monotonic()
     while time.monotonic() - start < max_s:
-        if idle_cpus(0.5) >= QUIET_IDLE_SHARE * (os.cpu_count() or 1):
+        if idle_cpus(0.5) >= QUIET_IDLE_SHARE * len(os.sched_getaffinity(0)):
             break
     return time.monotonic() - start
 
