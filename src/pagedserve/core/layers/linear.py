@@ -112,7 +112,7 @@ class Linear:
         folds its outputs into each row's argmax as it computes them (kernels/cpu/row_argmax.h)
         never stores the logits; the others compute them and take argmax_rows, whose rule (the
         first of equal maxima, a row's first NaN) the kernels keep."""
-        fused = getattr(self.kernel, "argmax", None)
+        fused = self._fused("argmax", x)
         if fused is not None:
             return fused(x, self.bias)
         return argmax_rows(self.float_out(x))
@@ -123,7 +123,16 @@ class Linear:
         ("silu" or "gelu_tanh") names what act_and_mul computes. A kernel that applies it to its
         own outputs (AMX: amx_gated_linear) never stores the [rows, 2 n] projection; the others
         compute it and call act_and_mul."""
-        fused = getattr(self.kernel, "gated", None)
+        fused = self._fused("gated", x)
         if fused is not None:
             return fused(x, self.bias, activation)
         return act_and_mul(self(x))
+
+    def _fused(self, name: str, x: torch.Tensor) -> Callable | None:
+        """The kernel's fused form `name` for x, or None: none, or x has fewer rows than the
+        kernel's fused forms take (`fused_min_rows`: int8 on AMX, where few rows take the vector
+        kernel, which has none)."""
+        fused = getattr(self.kernel, name, None)
+        if fused is None or x.shape[0] < getattr(self.kernel, "fused_min_rows", 0):
+            return None
+        return fused

@@ -33,7 +33,7 @@
 #include <cstring>
 
 #include "activations.h"
-#include "amx.h"
+#include "amx_rows.h"
 #include "huge_pages.h"
 #include "isa.h"
 #include "ops.h"
@@ -76,37 +76,9 @@ bool cpu_has_amx_bf16() {
 #ifdef PAGEDSERVE_HAVE_AMX
 using amx::configure_tiles;
 
-// y[r, n0 .. n0 + 32) for the rows of one 32-row block (count rows, 1..32) from the fp32 tile
-// block c (row stride 32), plus the bias, rounded to bf16: stored as bf16 (y), or widened back to
-// fp32 (y32, when not null).
-PAGEDSERVE_AMX void write_rows(const float* c, const uint16_t* bias, uint16_t* y, float* y32, int64_t ldy,
-                               int64_t rows) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t h = 0; h < kGroup; h += 16) {
-      v16sf v = loadv<v16sf>(c + r * kGroup + h);
-      if (bias != nullptr) v += bf16x16_to_float(bias + h);
-      if (y32 != nullptr) {
-        storev(y32 + r * ldy + h, round_to_bf16x16(v));
-      } else {
-        float_to_bf16x16(v, y + r * ldy + h);
-      }
-    }
-  }
-}
-
-// The same rows' values folded into best[0 .. rows) (row_argmax.h), columns from col0.
-PAGEDSERVE_AMX void fold_rows(const float* c, const uint16_t* bias, row_argmax::Best* best, int64_t col0,
-                              int64_t rows) {
-  for (int64_t r = 0; r < rows; ++r) {
-    v16sf lo = loadv<v16sf>(c + r * kGroup), hi = loadv<v16sf>(c + r * kGroup + 16);
-    if (bias != nullptr) {
-      lo += bf16x16_to_float(bias);
-      hi += bf16x16_to_float(bias + 16);
-    }
-    row_argmax::fold32(best[r], reinterpret_cast<__m512>(round_to_bf16x16(lo)),
-                       reinterpret_cast<__m512>(round_to_bf16x16(hi)), col0);
-  }
-}
+using amx::fold_rows;
+using amx::gated_rows;
+using amx::write_rows;
 
 // Groups [g0, g1) of y = x @ W^T for x [M, K], into y (bf16) or, when y32 is not null, into y32
 // (the same values widened to fp32); when best is not null, folded into best[0 .. M) instead.
@@ -135,26 +107,6 @@ PAGEDSERVE_AMX void amx_groups(const amx::PaddedRows& x, const uint16_t* w, cons
     }
   }
   _tile_release();
-}
-
-// out[r, 0 .. 32) = act(gate) * up for one 32-row block's gate and up tiles (cg, cu: row stride
-// 32), with silu_and_mul's roundings: gate and up rounded to bf16 as gate_up stores them (after
-// the bias), act(gate) rounded, the product rounded.
-template <class Act>
-PAGEDSERVE_AMX void gated_rows(const float* cg, const float* cu, const uint16_t* bias_g, const uint16_t* bias_u,
-                               uint16_t* y, int64_t ldy, int64_t rows) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t h = 0; h < kGroup; h += 16) {
-      v16sf g = loadv<v16sf>(cg + r * kGroup + h), u = loadv<v16sf>(cu + r * kGroup + h);
-      if (bias_g != nullptr) {
-        g += bf16x16_to_float(bias_g + h);
-        u += bf16x16_to_float(bias_u + h);
-      }
-      g = round_to_bf16x16(g);
-      u = round_to_bf16x16(u);
-      float_to_bf16x16(round_to_bf16x16(Act::vec(g)) * u, y + r * ldy + h);
-    }
-  }
 }
 
 // Gate groups [g0, g1) of amx_gated_linear: group g's gate columns and the matching up columns

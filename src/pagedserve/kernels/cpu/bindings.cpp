@@ -110,6 +110,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ (q * scales)^T (+ bias) for bf16 x over int8 weights with per-column scales, widened to bf16 tiles on AMX.",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("out_features"),
         py::arg("group_size"));
+  m.def("int8_amx_linear_argmax", &int8_amx_linear_argmax,
+        "Each row's argmax (int64 [rows]) over int8_amx_linear's result, which is not stored (greedy decoding).",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("out_features"));
+  m.def("int8_amx_gated_linear", &int8_amx_gated_linear,
+        "act(gate) * up for an int8 gate_up projection on AMX ([gate | up] outputs; activation 'silu' or "
+        "'gelu_tanh'), as the activation over int8_amx_linear's result gives it, without storing that result.",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("out_features"),
+        py::arg("activation"));
   m.def("int8_avx2_linear", &int8_avx2_linear,
         "x @ (q * scales)^T (+ bias) for fp32 or bf16 x over int8 weights in fp32 math on AVX2 with FMA.",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("out_features"),

@@ -95,6 +95,21 @@ def packed_int8_linear(kernel: str, weight: Int8Weight, dtype: torch.dtype) -> C
         per_k = scales[:, ids].repeat_interleave(group, dim=0).T  # [len(ids), k]
         return (codes.float() * per_k).to(dtype)
 
+    if kernel == AMX:
+        # The LM head under greedy decoding and a gated MLP's gate_up: the AMX kernel folds or
+        # gates its own results (core/layers/linear.py calls these from fused_min_rows rows on).
+        def argmax(x: Tensor, bias: Tensor | None) -> Tensor:
+            x = x if x.is_contiguous() else x.contiguous()
+            return ext.int8_amx_linear_argmax(x, packed, scales, bias, n)
+
+        def gated(x: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+            x = x if x.is_contiguous() else x.contiguous()
+            return ext.int8_amx_gated_linear(x, packed, scales, bias, n, activation)
+
+        linear.argmax = argmax  # type: ignore[attr-defined]
+        if n % (2 * PANEL) == 0:
+            linear.gated = gated  # type: ignore[attr-defined]
+        linear.fused_min_rows = AMX_MIN_ROWS  # type: ignore[attr-defined]
     linear.packed = packed  # type: ignore[attr-defined]  # for tests and memory accounting
     linear.kernel = kernel  # type: ignore[attr-defined]
     linear.rows = rows  # type: ignore[attr-defined]

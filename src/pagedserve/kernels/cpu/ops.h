@@ -39,6 +39,10 @@ void paged_prefill_attention_amx(torch::Tensor out, torch::Tensor query, torch::
 // amx_int8_linear.cpp
 torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                               c10::optional<torch::Tensor> bias, int64_t out_features, int64_t group_size);
+torch::Tensor int8_amx_linear_argmax(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                                     c10::optional<torch::Tensor> bias, int64_t out_features);
+torch::Tensor int8_amx_gated_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                                    c10::optional<torch::Tensor> bias, int64_t out_features, std::string activation);
 
 // fused_ops.cpp
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
