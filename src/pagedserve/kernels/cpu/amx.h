@@ -41,20 +41,18 @@ PAGEDSERVE_AMX inline void configure_tiles() {
 
 // c (32 x 32 fp32, row stride 32) = 16 rows of x at a0, and 16 more at a1 unless it is null
 // (x_stride bytes between rows), times one 32-column group of packed weights b: per slice of 32 k,
-// two tiles (16 columns each) in the VNNI form tdpbf16ps takes. prefetch_bytes > 0: the weight
-// bytes that far ahead of each slice are prefetched into L2 (the first row block, over cold
-// weights). Tiles 0-3 accumulate, 4-5 hold x, 6-7 the weights.
+// two tiles (16 columns each) in the VNNI form tdpbf16ps takes. after_slice(s) runs once slice s's
+// tile products are issued: the tile unit works through them while the core runs it (the weights'
+// prefetch below; amx_int8_linear.cpp widens its next panel there). Tiles 0-3 accumulate, 4-5 hold
+// x, 6-7 the weights.
+template <class AfterSlice>
 PAGEDSERVE_AMX inline void block_32x32(const uint16_t* a0, const uint16_t* a1, int64_t x_stride, const uint16_t* b,
-                                       int64_t slices, int64_t prefetch_bytes, float* c) {
+                                       int64_t slices, float* c, const AfterSlice& after_slice) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t s = 0; s < slices; ++s, b += 2 * kTileElems) {
-    if (prefetch_bytes > 0) {
-      const char* ahead = reinterpret_cast<const char*>(b) + prefetch_bytes;
-      for (int i = 0; i < 32; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T1);
-    }
     _tile_loadd(6, b, 64);
     _tile_loadd(7, b + kTileElems, 64);
     _tile_loadd(4, a0 + s * 32, x_stride);
@@ -65,6 +63,7 @@ PAGEDSERVE_AMX inline void block_32x32(const uint16_t* a0, const uint16_t* a1, i
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
+    after_slice(s);
   }
   _tile_stored(0, c, 32 * 4);
   _tile_stored(1, c + kTileRows, 32 * 4);
@@ -72,6 +71,21 @@ PAGEDSERVE_AMX inline void block_32x32(const uint16_t* a0, const uint16_t* a1, i
     _tile_stored(2, c + kTileRows * 32, 32 * 4);
     _tile_stored(3, c + kTileRows * 32 + kTileRows, 32 * 4);
   }
+}
+
+// The same with prefetch_bytes > 0: the weight bytes that far ahead of each slice prefetched into
+// L2 (the first row block, over cold weights).
+PAGEDSERVE_AMX inline void block_32x32(const uint16_t* a0, const uint16_t* a1, int64_t x_stride, const uint16_t* b,
+                                       int64_t slices, int64_t prefetch_bytes, float* c) {
+  if (prefetch_bytes <= 0) {
+    block_32x32(a0, a1, x_stride, b, slices, c, [](int64_t) {});
+    return;
+  }
+  const char* ahead = reinterpret_cast<const char*>(b) + prefetch_bytes;
+  block_32x32(a0, a1, x_stride, b, slices, c, [ahead](int64_t s) {
+    const char* p = ahead + s * 2 * kTileElems * sizeof(uint16_t);
+    for (int i = 0; i < 32; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T1);
+  });
 }
 
 // x [M, K] bf16 as tile loads read it: at(r0) is 16 rows from row r0, taken from x, or for the

@@ -15,9 +15,10 @@
 // The codes go to fp32 (exact, low 16 bits zero), so a pair is (k's bits >> 16) | (k + 1's bits
 // with the low half cleared): six instructions per 32 weights.
 //
-// While a panel is widened, the next panel's codes (the next K * 32 bytes) are prefetched into L2,
-// so that they arrive while the tiles compute and the next widening does not wait on memory
-// (without it a third of the kernel's time sat on the codes' loads, W64 on a 2-core AMX Xeon).
+// Pipelined: while the tiles compute on panel p, panel p + 1 is widened into a second buffer, a
+// slice after each slice's tile products are issued (the tile unit and the vector units work side
+// by side), and panel p + 2's codes are prefetched into L2 meanwhile (without the prefetch a third
+// of the kernel's time sat on the codes' loads, W64 on a 2-core AMX Xeon).
 //
 // Compute as in amx_linear.cpp (tiles 0-3 a 32 x 32 fp32 block of y, 4-5 x's rows, 6-7 the
 // panel's tiles); the sums times the column's scale, then what amx_linear does with its block
@@ -46,15 +47,13 @@ constexpr int64_t kPanel = 32;  // output columns per panel: two 16-column tiles
 using amx::kTileRows;
 constexpr int64_t kSlice = 32;  // k per tile row pair set (a tile row holds 16 pairs)
 
-// Panel p's codes (K rows of 32 bytes) -> [slice][half][16 rows][16 columns][2] bf16 tiles; the
-// next panel's codes (K * 32 bytes on) are prefetched into L2 line by line.
-PAGEDSERVE_AMX void widen_panel(const int8_t* panel, int64_t K, uint16_t* tiles) {
+// One slice of a panel (32 k: 16 lines of two k's 32 codes) -> its two bf16 tiles ([half][16
+// rows][16 columns][2]); the codes `ahead` bytes on are prefetched into L2 line by line.
+PAGEDSERVE_AMX void widen_slice(const int8_t* codes, uint16_t* tiles, int64_t ahead) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const int64_t next = K * kPanel;
-  for (int64_t k = 0; k < K; k += 2) {
-    const int8_t* line = panel + k * kPanel;  // k's 32 codes, then k + 1's
-    _mm_prefetch(reinterpret_cast<const char*>(line + next), _MM_HINT_T1);
-    const int64_t s = k / kSlice, r = (k % kSlice) / 2;
+  for (int64_t r = 0; r < kTileRows; ++r) {
+    const int8_t* line = codes + r * 2 * kPanel;  // k = 2r's 32 codes, then 2r + 1's
+    _mm_prefetch(reinterpret_cast<const char*>(line + ahead), _MM_HINT_T1);
     for (int64_t h = 0; h < 2; ++h) {
       const __m512i a = _mm512_castps_si512(_mm512_cvtepi32_ps(
           _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 16 * h)))));
@@ -62,9 +61,17 @@ PAGEDSERVE_AMX void widen_panel(const int8_t* panel, int64_t K, uint16_t* tiles)
           _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + kPanel + 16 * h)))));
       // (a >> 16) | (b & high): 0xF8 is A | (B & C) with A = a >> 16, B = b, C = high.
       const __m512i pair = _mm512_ternarylogic_epi32(_mm512_srli_epi32(a, 16), b, high, 0xF8);
-      _mm512_store_si512(tiles + ((s * 2 + h) * kTileRows + r) * 32, pair);
+      _mm512_store_si512(tiles + (h * kTileRows + r) * 32, pair);
     }
   }
+}
+
+constexpr int64_t kSliceCodes = kSlice * kPanel;  // bytes of codes per slice
+constexpr int64_t kSliceTiles = 2 * amx::kTileElems;  // bf16 values of its two tiles
+
+// A whole panel (K / 32 slices), the next panel's codes (K * 32 bytes on) prefetched.
+PAGEDSERVE_AMX void widen_panel(const int8_t* panel, int64_t K, uint16_t* tiles) {
+  for (int64_t s = 0; s < K / kSlice; ++s) widen_slice(panel + s * kSliceCodes, tiles + s * kSliceTiles, K * kPanel);
 }
 
 // A thread's buffer for `panels` widened panels of K (K x 32 bf16 each: 36 KB at K = 576), aligned
@@ -76,12 +83,34 @@ uint16_t* widened_buffer(int64_t K, int64_t panels) {
   return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
 }
 
-// The 32-row block of x from row r0 times a widened panel, into c (32 x 32 fp32), times the
-// panel's column scales; the block's row count.
+// A panel's codes and the two buffers its widened tiles alternate between: the tiles of panel p
+// are computed on while panel p + 1's are widened into the other buffer, slice by slice, in the
+// first row block's loop (the tile unit runs tdpbf16ps while the vector units widen, where the
+// two phases one after the other left each idle half the time).
+struct PanelPipe {
+  const int8_t* q;    // panel 0's codes
+  int64_t K;
+  uint16_t* buf[2];
+
+  const int8_t* codes(int64_t p) const { return q + p * K * kPanel; }
+  uint16_t* tiles(int64_t i) const { return buf[i % 2]; }
+};
+
+// The 32-row block of x from row r0 times the widened panel `tiles`, into c (32 x 32 fp32), times
+// the panel's column scales; when next is not null, the panel at next is widened into next_tiles
+// meanwhile. Returns the block's row count.
 PAGEDSERVE_AMX int64_t scaled_block(const amx::PaddedRows& x, int64_t M, int64_t K, int64_t r0, const uint16_t* tiles,
-                                    const float* scale, float* c) {
+                                    const float* scale, const int8_t* next, uint16_t* next_tiles, float* c) {
   const bool two = r0 + kTileRows < M;
-  amx::block_32x32(x.at(r0), two ? x.at(r0 + kTileRows) : nullptr, K * 2, tiles, K / kSlice, 0, c);
+  const uint16_t* a1 = two ? x.at(r0 + kTileRows) : nullptr;
+  if (next != nullptr) {
+    const int64_t ahead = K * kPanel;
+    amx::block_32x32(x.at(r0), a1, K * 2, tiles, K / kSlice, c, [next, next_tiles, ahead](int64_t s) {
+      widen_slice(next + s * kSliceCodes, next_tiles + s * kSliceTiles, ahead);
+    });
+  } else {
+    amx::block_32x32(x.at(r0), a1, K * 2, tiles, K / kSlice, 0, c);
+  }
   const int64_t rows = std::min<int64_t>(2 * kTileRows, M - r0);
   amx::scale_columns(c, scale, rows);
   return rows;
@@ -93,13 +122,16 @@ PAGEDSERVE_AMX void amx_int8_panels(const amx::PaddedRows& x, const int8_t* q, c
                                     const uint16_t* bias, uint16_t* y, row_argmax::Best* best, int64_t M, int64_t K,
                                     int64_t N, int64_t p0, int64_t p1) {
   amx::configure_tiles();
-  uint16_t* tiles = widened_buffer(K, 1);
+  uint16_t* buffer = widened_buffer(K, 2);
+  const PanelPipe pipe{q, K, {buffer, buffer + K * kPanel}};
   alignas(64) float c[2 * kTileRows * kPanel];
+  widen_panel(pipe.codes(p0), K, pipe.tiles(0));
   for (int64_t p = p0; p < p1; ++p) {
-    widen_panel(q + p * K * kPanel, K, tiles);
+    const uint16_t* tiles = pipe.tiles(p - p0);
     const uint16_t* bp = bias == nullptr ? nullptr : bias + p * kPanel;
     for (int64_t r0 = 0; r0 < M; r0 += 2 * kTileRows) {
-      const int64_t rows = scaled_block(x, M, K, r0, tiles, scales + p * kPanel, c);
+      const int8_t* next = r0 == 0 && p + 1 < p1 ? pipe.codes(p + 1) : nullptr;
+      const int64_t rows = scaled_block(x, M, K, r0, tiles, scales + p * kPanel, next, pipe.tiles(p - p0 + 1), c);
       if (best != nullptr) {
         amx::fold_rows(c, bp, best + r0, p * kPanel, rows);
       } else {
@@ -111,24 +143,29 @@ PAGEDSERVE_AMX void amx_int8_panels(const amx::PaddedRows& x, const int8_t* q, c
 }
 
 // Gate panels [p0, p1) of int8_amx_gated_linear (n = N / 2 outputs): gate panel p and the matching
-// up panel p + n / 32, widened side by side.
+// up panel p + n / 32, each pipelined as amx_int8_panels does.
 template <class Act>
 PAGEDSERVE_AMX void amx_int8_gated_panels(const amx::PaddedRows& x, const int8_t* q, const float* scales,
                                           const uint16_t* bias, uint16_t* y, int64_t M, int64_t K, int64_t n,
                                           int64_t p0, int64_t p1) {
   amx::configure_tiles();
-  uint16_t* gate = widened_buffer(K, 2);
-  uint16_t* up = gate + K * kPanel;
+  uint16_t* buffer = widened_buffer(K, 4);
+  const int64_t panel = K * kPanel, up_panels = n / kPanel;
+  const PanelPipe gate{q, K, {buffer, buffer + panel}};
+  const PanelPipe up{q + up_panels * panel, K, {buffer + 2 * panel, buffer + 3 * panel}};
   alignas(64) float cg[2 * kTileRows * kPanel];
   alignas(64) float cu[2 * kTileRows * kPanel];
-  const int64_t up_panels = n / kPanel;
+  widen_panel(gate.codes(p0), K, gate.tiles(0));
+  widen_panel(up.codes(p0), K, up.tiles(0));
   for (int64_t p = p0; p < p1; ++p) {
-    widen_panel(q + p * K * kPanel, K, gate);
-    widen_panel(q + (p + up_panels) * K * kPanel, K, up);
+    const int64_t i = p - p0;
     const uint16_t* bg = bias == nullptr ? nullptr : bias + p * kPanel;
     for (int64_t r0 = 0; r0 < M; r0 += 2 * kTileRows) {
-      const int64_t rows = scaled_block(x, M, K, r0, gate, scales + p * kPanel, cg);
-      scaled_block(x, M, K, r0, up, scales + n + p * kPanel, cu);
+      const bool widen = r0 == 0 && p + 1 < p1;
+      const int64_t rows = scaled_block(x, M, K, r0, gate.tiles(i), scales + p * kPanel,
+                                        widen ? gate.codes(p + 1) : nullptr, gate.tiles(i + 1), cg);
+      scaled_block(x, M, K, r0, up.tiles(i), scales + n + p * kPanel, widen ? up.codes(p + 1) : nullptr,
+                   up.tiles(i + 1), cu);
       amx::gated_rows<Act>(cg, cu, bg, bias == nullptr ? nullptr : bg + n, y + r0 * n + p * kPanel, n, rows);
     }
   }
