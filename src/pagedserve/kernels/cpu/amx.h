@@ -39,38 +39,70 @@ PAGEDSERVE_AMX inline void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// c (32 x 32 fp32, row stride 32) = 16 rows of x at a0, and 16 more at a1 unless it is null
-// (x_stride bytes between rows), times one 32-column group of packed weights b: per slice of 32 k,
-// two tiles (16 columns each) in the VNNI form tdpbf16ps takes. after_slice(s) runs once slice s's
-// tile products are issued: the tile unit works through them while the core runs it (the weights'
-// prefetch below; amx_int8_linear.cpp widens its next panel there). Tiles 0-3 accumulate, 4-5 hold
-// x, 6-7 the weights.
+// Where a 2 x 2 tile product finds slice s's two 16-column B tiles (1 KB each, in the VNNI form
+// tdpbf16ps takes): at b + s * step and that + second (in bf16 values). Packed linear weights hold
+// a slice's two tiles side by side (the defaults); the prefill attention's gathered keys and
+// values lie otherwise.
+struct BTiles {
+  const uint16_t* b;
+  int64_t step = 2 * kTileElems;
+  int64_t second = kTileElems;
+};
+
+// C (32 rows x 32 fp32 columns, ldc floats between rows) = A B over `slices` slices of 32 k: A's
+// first 16 rows at a0 and 16 more at a1 unless it is null (a_stride bytes between rows, slice s
+// 32 values on), C zeroed first or, with accumulate, loaded from c and added to. after_slice(s)
+// runs once slice s's tile products are issued: the tile unit works through them while the core
+// runs it (a weight prefetch; amx_int8_linear.cpp widens its next panel there). Tiles 0-3
+// accumulate, 4-5 hold A, 6-7 B.
 template <class AfterSlice>
-PAGEDSERVE_AMX inline void block_32x32(const uint16_t* a0, const uint16_t* a1, int64_t x_stride, const uint16_t* b,
-                                       int64_t slices, float* c, const AfterSlice& after_slice) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t s = 0; s < slices; ++s, b += 2 * kTileElems) {
+PAGEDSERVE_AMX inline void product_2x2(const uint16_t* a0, const uint16_t* a1, int64_t a_stride, BTiles w,
+                                       int64_t slices, float* c, int64_t ldc, bool accumulate,
+                                       const AfterSlice& after_slice) {
+  float* c1 = c + kTileRows * ldc;
+  const int64_t c_stride = ldc * 4;
+  if (accumulate) {
+    _tile_loadd(0, c, c_stride);
+    _tile_loadd(1, c + 16, c_stride);
+    if (a1 != nullptr) {
+      _tile_loadd(2, c1, c_stride);
+      _tile_loadd(3, c1 + 16, c_stride);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const uint16_t* b = w.b;
+  for (int64_t s = 0; s < slices; ++s, b += w.step) {
     _tile_loadd(6, b, 64);
-    _tile_loadd(7, b + kTileElems, 64);
-    _tile_loadd(4, a0 + s * 32, x_stride);
+    _tile_loadd(7, b + w.second, 64);
+    _tile_loadd(4, a0 + s * 32, a_stride);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if (a1 != nullptr) {
-      _tile_loadd(5, a1 + s * 32, x_stride);
+      _tile_loadd(5, a1 + s * 32, a_stride);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
     after_slice(s);
   }
-  _tile_stored(0, c, 32 * 4);
-  _tile_stored(1, c + kTileRows, 32 * 4);
+  _tile_stored(0, c, c_stride);
+  _tile_stored(1, c + 16, c_stride);
   if (a1 != nullptr) {
-    _tile_stored(2, c + kTileRows * 32, 32 * 4);
-    _tile_stored(3, c + kTileRows * 32 + kTileRows, 32 * 4);
+    _tile_stored(2, c1, c_stride);
+    _tile_stored(3, c1 + 16, c_stride);
   }
+}
+
+// c (32 x 32 fp32, row stride 32) = 16 rows of x at a0, and 16 more at a1 unless it is null
+// (x_stride bytes between rows), times one 32-column group of packed weights b (a slice's two
+// tiles side by side), with after_slice as in product_2x2.
+template <class AfterSlice>
+PAGEDSERVE_AMX inline void block_32x32(const uint16_t* a0, const uint16_t* a1, int64_t x_stride, const uint16_t* b,
+                                       int64_t slices, float* c, const AfterSlice& after_slice) {
+  product_2x2(a0, a1, x_stride, BTiles{b}, slices, c, 32, false, after_slice);
 }
 
 // The same with prefetch_bytes > 0: the weight bytes that far ahead of each slice prefetched into

@@ -273,34 +273,12 @@ PAGEDSERVE_AMX void attend_blocks(uint16_t* out, const uint16_t* query, const ui
       for (int64_t g = 0; g < group; ++g) {
         const uint16_t* qg = q_rows.data() + g * kBlockRows * D;
         float* og = o.data() + g * kBlockRows * D;
-        // S = Q K^T, 32 keys at a time: tiles 0/1 the first half's two 16-key tiles, 2/3 the second's.
+        // S = Q K^T, 32 keys at a time (amx.h's 2 x 2 tile product over the head's 32-dim slices:
+        // the first 16 keys' tile for slice s at kt + s tiles, the next 16 keys' `slices` tiles on).
         for (int64_t k0 = c0; k0 < c0 + width; k0 += kKeys) {
           const uint16_t* kt = kh + ((k0 - t0) / 16) * slices * kTileElems;
-          _tile_zero(0);
-          _tile_zero(1);
-          if (two) {
-            _tile_zero(2);
-            _tile_zero(3);
-          }
-          for (int64_t sl = 0; sl < slices; ++sl) {
-            _tile_loadd(6, kt + sl * kTileElems, 64);
-            _tile_loadd(7, kt + (slices + sl) * kTileElems, 64);
-            _tile_loadd(4, qg + sl * 32, D * 2);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            if (two) {
-              _tile_loadd(5, qg + kTileRows * D + sl * 32, D * 2);
-              _tile_dpbf16ps(2, 5, 6);
-              _tile_dpbf16ps(3, 5, 7);
-            }
-          }
-          float* sc = scores.data() + (k0 - c0);
-          _tile_stored(0, sc, lds * 4);
-          _tile_stored(1, sc + 16, lds * 4);
-          if (two) {
-            _tile_stored(2, sc + kTileRows * lds, lds * 4);
-            _tile_stored(3, sc + kTileRows * lds + 16, lds * 4);
-          }
+          amx::product_2x2(qg, two ? qg + kTileRows * D : nullptr, D * 2, {kt, kTileElems, slices * kTileElems},
+                           slices, scores.data() + (k0 - c0), lds, false, [](int64_t) {});
         }
         if (softcap > 0.f) {
           for (int64_t r = 0; r < rows; ++r) {
@@ -322,42 +300,13 @@ PAGEDSERVE_AMX void attend_blocks(uint16_t* out, const uint16_t* query, const ui
             for (int64_t d = 0; d < D; d += 16) storev(og + r * D + d, loadv<v16sf>(og + r * D + d) * alpha[r]);
           }
         }
-        // O += P V over the chunk's 32-key slices, two 16-dim tiles at a time: tiles 0/1 the first
-        // half's, 2/3 the second's.
+        // O += P V, 32 dims at a time, over the chunk's 32-key slices (key slice p's two 16-dim
+        // tiles for dims u0 .. u0 + 31 at vh + p * dim_tiles + u0 tiles, side by side).
+        static_assert(kKeys == 32, "a P V slice is one tile row of 32 keys");
         for (int64_t u0 = 0; u0 < dim_tiles; u0 += 2) {
-          float* oc = og + u0 * 16;
-          if (first) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-          } else {
-            _tile_loadd(0, oc, D * 4);
-            _tile_loadd(1, oc + 16, D * 4);
-            if (two) {
-              _tile_loadd(2, oc + kTileRows * D, D * 4);
-              _tile_loadd(3, oc + kTileRows * D + 16, D * 4);
-            }
-          }
-          for (int64_t p = 0; p < width / kKeys; ++p) {
-            const uint16_t* vt = vh + (p * dim_tiles + u0) * kTileElems;
-            _tile_loadd(6, vt, 64);
-            _tile_loadd(7, vt + kTileElems, 64);
-            _tile_loadd(4, probs.data() + p * kKeys, ldp * 2);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            if (two) {
-              _tile_loadd(5, probs.data() + kTileRows * ldp + p * kKeys, ldp * 2);
-              _tile_dpbf16ps(2, 5, 6);
-              _tile_dpbf16ps(3, 5, 7);
-            }
-          }
-          _tile_stored(0, oc, D * 4);
-          _tile_stored(1, oc + 16, D * 4);
-          if (two) {
-            _tile_stored(2, oc + kTileRows * D, D * 4);
-            _tile_stored(3, oc + kTileRows * D + 16, D * 4);
-          }
+          amx::product_2x2(probs.data(), two ? probs.data() + kTileRows * ldp : nullptr, ldp * 2,
+                           {vh + u0 * kTileElems, dim_tiles * kTileElems, kTileElems}, width / kKeys, og + u0 * 16, D,
+                           !first, [](int64_t) {});
         }
       }
     }
