@@ -1,7 +1,7 @@
-// What the AMX kernels share (amx_linear.cpp, amx_prefill_attention.cpp): the target attribute,
-// the tile configuration (every tile 16 rows x 64 bytes: 16 x 32 bf16 operands, 16 x 16 fp32
-// accumulators) and the size of one tile. Availability (CPU, ISA cap, the kernel's permission) is
-// amx_linear_available() (ops.h).
+// What the AMX kernels share (amx_linear.cpp, amx_int8_linear.cpp, amx_prefill_attention.cpp):
+// the target attribute, the tile configuration (every tile 16 rows x 64 bytes: 16 x 32 bf16
+// operands, 16 x 16 fp32 accumulators), the size of one tile and the 2 x 2 tile product they all
+// run. Availability (CPU, ISA cap, the kernel's permission) is amx_linear_available() (ops.h).
 #pragma once
 
 #include <immintrin.h>
