@@ -372,7 +372,7 @@ pagedserve is serving on tritonserver (Ctrl-C stops it):
   curl -s http://{host}:{args.http_port}/v2/models/pagedserve/generate \\
        -d '{{"text_input": "What is a paged KV cache?", "parameters": {{"max_tokens": 64, "temperature": 0}}}}'
   curl -sN http://{host}:{args.http_port}/v2/models/pagedserve/generate_stream \\
-       -d '{{"text_input": "What is a paged KV cache?", "stream": true, "parameters": {{"max_tokens": 64}}}}'
+       -d '{{"text_input": "What is a paged KV cache?", "stream": true, "parameters": {{"max_tokens": 64, "temperature": 0}}}}'
   gRPC streaming with tritonclient.grpc: see docs/triton.md
 """, flush=True)
     except (RuntimeError, TimeoutError) as exc:
