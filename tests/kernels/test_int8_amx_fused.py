@@ -28,14 +28,6 @@ def amx_layer(w: torch.Tensor):
     return cpu_int8.packed_int8_linear(cpu_int8.AMX, quantize_per_channel(w), torch.bfloat16)
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("rows", [4, 7, 16, 17, 33, 64, 100, 512])
 @pytest.mark.parametrize("out_features,in_features", [(64, 32), (192, 64), (3072, 576)])

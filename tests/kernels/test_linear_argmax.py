@@ -33,14 +33,6 @@ def stored_argmax(linear, x, bias):
     return argmax_rows(linear(x, bias).float())
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("kernel,dtype", ARGMAX_KERNELS)
 @pytest.mark.parametrize("rows", [1, 5, 13, 33, 64, 97, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
