@@ -3,7 +3,9 @@
     python -m bench.int8_weights [--sides bf16,int8,fp32,int8_fp32] [--rounds N] [--workload PATH]
                                  [--num-requests N] [engine flags, e.g. --model DIR]
 
-Each side runs in its own child process (so its RSS is its own): dtype and quantization
+Each side runs in its own child process (so its RSS is its own), after one child that makes sure the
+model's int8 calibration is cached (its first int8 start runs it: core/models/int8_calibration.py): dtype
+and quantization
   bf16 = bfloat16, none;  int8 = bfloat16, int8;  fp32 = float32, none;  int8_fp32 = float32, int8
 and reports:
 * weight MiB: the bytes the model's weights hold after load (packed copies, int8 codes and their
@@ -67,6 +69,10 @@ def run_side(args: argparse.Namespace) -> dict:
     from pagedserve.core.sampling_params import SamplingParams
     from pagedserve.tools.engine_args import engine_config_from_args
 
+    if args.side == "calibrate":  # the int8 sides' first start: calibrates and caches (int8_calibration.py)
+        engine = LLMEngine(engine_config_from_args(args).replace(dtype="bfloat16", quantization="int8"))
+        return {"side": "calibrate", "seconds": engine.load_seconds.get("int8 calibration", 0.0)
+                + engine.load_seconds.get("weights", 0.0)}
     dtype, quantization = SIDES[args.side]
     engine = LLMEngine(engine_config_from_args(args).replace(dtype=dtype, quantization=quantization))
     weights, rss = weight_bytes(engine.runner.model), rss_bytes()
@@ -100,6 +106,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def child(argv: list[str], side: str) -> dict:
+    """One side's figures, from a child process of its own."""
+    out = subprocess.run([sys.executable, "-m", "bench.int8_weights", *argv, "--side", side],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -113,11 +126,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[host] load average {f.read().split()[0]}")
     runs: dict[str, list[dict]] = {}
     sides = args.sides.split(",")
+    if any(SIDES[side][1] == "int8" for side in sides):
+        # Before any measured start: the first int8 start of a model runs its calibration (then
+        # cached), which would weigh on that side's load and RSS.
+        r = child(argv, "calibrate")
+        print(f"[int8] calibration run + quantization (cached after the first start): {r['seconds']:.1f} s", flush=True)
     for round_ in range(args.rounds):
         for side in sides if round_ % 2 == 0 else sides[::-1]:
-            out = subprocess.run([sys.executable, "-m", "bench.int8_weights", *argv, "--side", side],
-                                 check=True, capture_output=True, text=True).stdout
-            r = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+            r = child(argv, side)
             runs.setdefault(side, []).append(r)
             print(f"[{side}] weights {r['weight_mib']:.1f} MiB, RSS after load {r['rss_mib']:.0f} MiB, batch-1 decode "
                   f"{r['decode_b1_ms']:.2f} ms/token, W64 {r['w64_tok_s']:.1f} output tok/s ({r['w64_s']:.2f} s)",

@@ -20,9 +20,8 @@ from safetensors.torch import load_file, save_file
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine import LLMEngine
 from pagedserve.core.errors import ConfigError
-from pagedserve.core.models import loader
+from pagedserve.core.models import int8_calibration, loader
 from pagedserve.core.sampling_params import SamplingParams
-from pagedserve.kernels.reference.int8_linear import quantize_per_channel
 from pagedserve.tools.engine_args import add_engine_args, engine_config_from_args
 
 from tests.oracle import hf_greedy
@@ -52,18 +51,32 @@ def test_quantization_flag():
 
 # --- tiny models against transformers ------------------------------------------------------------
 
-def dequantized_copy(src, dst, projections: bool = True):
-    """The checkpoint with every weight `quantization: int8` quantizes per channel replaced by its
-    dequantized int8 values: the LM head, or the embedding it is tied to (loader.INT8_LM_HEAD), and
-    the projections unless they come from GGUF Q8_0 blocks (projections=False)."""
+def dequantized_copy(src, dst):
+    """The checkpoint with every weight `quantization: int8` calibrated replaced by the values its
+    codes stand for, read from the calibration's file (core/models/int8_calibration.py): the
+    projections (fused q/k/v and gate/up split back into the checkpoint's parts) and the LM head, or
+    the embedding it is tied to. GGUF Q8_0 projections, kept as stored, are in the file's decoded
+    values already. The engine must then compute what transformers computes on this copy."""
+    calibrated = load_file(str(int8_calibration.cache_file(src)))
     shutil.copytree(src, dst)
     path = dst / "model.safetensors"
     tensors = load_file(str(path))
-    tied = "lm_head.weight" not in tensors
-    for name, t in tensors.items():
-        if ((projections and name.endswith("_proj.weight")) or name == "lm_head.weight"
-                or (tied and name == "model.embed_tokens.weight")):
-            tensors[name] = quantize_per_channel(t).dequantize(t.dtype)
+
+    def put(names, key):
+        if key + ".codes" not in calibrated:
+            return
+        values = calibrated[key + ".codes"].float() * calibrated[key + ".scales"].T  # scales [1, out]
+        for name, part in zip(names, values.split([tensors[n].shape[0] for n in names])):
+            tensors[name] = part.to(tensors[name].dtype)
+
+    layers = {int(k.split(".")[1]) for k in calibrated if k.startswith("layers.")}
+    for i in layers:
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        put([attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"], f"layers.{i}.qkv")
+        put([attn + "o_proj.weight"], f"layers.{i}.o")
+        put([mlp + "gate_proj.weight", mlp + "up_proj.weight"], f"layers.{i}.gate_up")
+        put([mlp + "down_proj.weight"], f"layers.{i}.down")
+    put(["lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"], "lm_head")
     save_file(tensors, str(path), metadata={"format": "pt"})
     return dst
 
@@ -73,10 +86,10 @@ def dequantized_copy(src, dst, projections: bool = True):
 def test_int8_engine_matches_transformers_on_dequantized_weights(tiny_model_dir, tmp_path, family, backend):
     assert loader.INT8_LM_HEAD
     src = tiny_model_dir(family)
-    oracle = dequantized_copy(src, tmp_path / "dequantized")
     engine = LLMEngine(EngineConfig.from_dict({"model": str(src), "dtype": "float32", "quantization": "int8",
                                                "attention_backend": backend, "kv_cache_memory": 1 << 22,
                                                "max_num_batched_tokens": 32}))  # chunked prefill + decodes
+    oracle = dequantized_copy(src, tmp_path / "dequantized")
     layer = engine.runner.model.layers[0]
     assert layer.qkv.weight is None and layer.qkv.packed is None  # only the int8 form is kept
     assert hasattr(layer.qkv.kernel, "packed") == (backend == "cpu")
@@ -99,9 +112,9 @@ def test_gguf_q8_0_projections_stay_as_stored(tmp_path, tied):
 
     path = write_gguf(tmp_path / "q8.gguf", "llama", ("Q8_0",), tied=tied)
     converted = ensure_gguf_model(path, cache_dir=tmp_path / "cache", progress=False)
-    oracle = dequantized_copy(converted, tmp_path / "oracle", projections=False)
     engine = LLMEngine(EngineConfig.from_dict({"model": str(converted), "dtype": "float32", "quantization": "int8",
                                                "attention_backend": "reference", "kv_cache_memory": 1 << 22}))
+    oracle = dequantized_copy(converted, tmp_path / "oracle")
     stored = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
     codes, scales = q8_0_blocks(stored["blk.1.attn_output.weight"])
     o = engine.runner.model.layers[1].o.kernel.int8_weight
@@ -135,10 +148,11 @@ def test_int8_bf16_engine_agrees_with_reference_path(tiny_model_dir):
 
 AGREEMENT_PROMPTS = 16
 AGREEMENT_NEW = 64  # 16 x 64 = 1024 teacher-forced positions
-# Issue 35's target is 97%; per-channel int8 with bf16 activations measures 95.2-95.3% here (bf16
-# weights: 97.7-97.9%), so the test holds what every host keeps, with room for the order of sums.
-# docs/quantization.md gives the measured figures and what moves them (group scales, fp32 activations).
-MIN_AGREEMENT = 0.94
+# Issue 35's target is 97%. Calibrated int8 with bf16 activations measured 96.0-97.5% here on an AMX
+# host (the calibration prompts chosen moved it by a point; bf16 weights: 97.3-97.9%), per-channel
+# rounding to nearest 95.2-95.5%; the test holds what every host keeps, with room for the order of
+# sums. docs/quantization.md gives the figures.
+MIN_AGREEMENT = 0.955
 
 
 def teacher_forced_argmax(model, prompts, conts):
@@ -153,8 +167,10 @@ def teacher_forced_argmax(model, prompts, conts):
 @pytest.mark.slow
 def test_smollm2_int8_argmax_agreement(monkeypatch):
     """Teacher-forced on the fp32 model's greedy continuations of 16 chat prompts (1024 positions):
-    the int8 model's argmax must be the fp32 token at >= MIN_AGREEMENT of them. The bf16 model's
-    figure is printed beside it, and int8 with the LM head left in bf16 (the other choice, measured)."""
+    the int8 model's argmax must be the fp32 token at >= MIN_AGREEMENT of them, and calibrated
+    rounding must agree at least as often as rounding every weight to nearest (the same format
+    without the calibration run). The bf16 model's figure is printed beside them."""
+    from pagedserve.core import engine as engine_module
     from tests.test_kv_quant_e2e import PROMPTS as CHAT
 
     ref = LLMEngine(EngineConfig.from_dict({"model": "default", "dtype": "float32", "max_model_len": 512}))
@@ -165,8 +181,9 @@ def test_smollm2_int8_argmax_agreement(monkeypatch):
     target = torch.tensor(conts)
     del ref
     figures = {}
-    for name, quantization, head in (("bf16", None, True), ("int8", "int8", True), ("int8, bf16 LM head", "int8", False)):
-        monkeypatch.setattr(loader, "INT8_LM_HEAD", head)
+    for name, quantization in (("bf16", None), ("int8", "int8"), ("int8 rounded to nearest", "int8")):
+        if name == "int8 rounded to nearest":
+            monkeypatch.setattr(engine_module, "calibrated_quantizer", lambda *args: None)
         engine = LLMEngine(EngineConfig.from_dict({"model": "default", "dtype": "bfloat16", "max_model_len": 512,
                                                    "quantization": quantization}))
         with torch.no_grad():
@@ -176,3 +193,4 @@ def test_smollm2_int8_argmax_agreement(monkeypatch):
     print("\n[int8 weights] teacher-forced argmax agreement with fp32 over "
           f"{target.numel()} positions: " + ", ".join(f"{k} {v:.2%}" for k, v in figures.items()))
     assert figures["int8"] >= MIN_AGREEMENT, figures
+    assert figures["int8"] >= figures["int8 rounded to nearest"], figures

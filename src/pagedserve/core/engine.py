@@ -32,7 +32,8 @@ from pagedserve.core.metrics import EngineMetrics
 from pagedserve.core.model_runner import ModelRunner
 from pagedserve.core.models.arch import ModelArch
 from pagedserve.core.models.default_model import resolve_model_path
-from pagedserve.core.models.loader import load_decoder
+from pagedserve.core.models.int8_calibration import CALIBRATION_PROMPTS, calibrated_quantizer
+from pagedserve.core.models.loader import load_decoder, round_to_nearest
 from pagedserve.core.output_processor import OutputProcessor
 from pagedserve.core.outputs import CompletionResult, RequestOutput
 from pagedserve.core.request import EngineRequest, Sample, SampleStatus
@@ -112,8 +113,14 @@ class LLMEngine:
         if mc.quantization is not None and self.device.type != "cpu":
             raise ConfigError(f"quantization={mc.quantization!r} runs on CPU only (device resolved to "
                               f"{self.device}); set device to cpu, or leave quantization unset")
+        calibrated = None
+        if mc.quantization == "int8":  # calibrated rounding (core/models/int8_calibration.py)
+            calibrated = calibrated_quantizer(self.model_path, self._unquantized_engine)
+            mark("int8 calibration")
         model = load_decoder(self.model_path, self.arch, self.dtype, self.device, self.max_model_len, kernels,
-                             mc.quantization)
+                             mc.quantization, calibrated or round_to_nearest)
+        if calibrated is not None:
+            calibrated.store()
         mark("weights")
         # Layer groups (sliding-window layers keep only their window): core/kv_cache/layout.py.
         self.kv_layout = layout = make_kv_cache_layout(self.arch.sliding_windows,
@@ -181,6 +188,14 @@ class LLMEngine:
         if helper is not None:  # an engine dropped while at one thread leaves no pinned thread behind
             weakref.finalize(self, helper.stop)
         return ThreadGovernor(plan, torch.set_num_threads, compute_threads_named=named, helper=helper)
+
+    def _unquantized_engine(self) -> LLMEngine:
+        """This model in float32 without quantization, for int8's calibration run (two dozen short requests)."""
+        mc = self.config.model
+        return LLMEngine(EngineConfig.from_dict({
+            "model": str(self.model_path), "dtype": "float32", "device": mc.device, "seed": mc.seed,
+            "attention_backend": mc.attention_backend, "max_model_len": min(self.max_model_len, 1024),
+            "max_num_seqs": len(CALIBRATION_PROMPTS)}))
 
     def _max_chunk_tokens(self) -> int:
         """Most tokens one sample computes in a step (what a sliding-window group holds beyond its window)."""

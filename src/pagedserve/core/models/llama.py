@@ -33,6 +33,7 @@ from pagedserve.core.kv_cache.cache_tensors import KVCacheTensors  # noqa: F401 
 from pagedserve.core.layers.linear import Linear
 from pagedserve.core.layers.rotary import RotaryEmbedding
 from pagedserve.core.models.arch import ModelArch
+from pagedserve.kernels.reference.int8_linear import Int8Weight
 
 # On a CPU whose backend packs no fp32 LM head (neither AVX-512 nor AVX2: kernels/cpu/linear.py), it
 # runs as matmuls over slices of this many vocabulary rows: one GEMM over a 49k-row weight with few
@@ -69,16 +70,17 @@ class LayerWeights:
 
 class LlamaDecoder:
     def __init__(self, arch: ModelArch, embed: torch.Tensor, layers: list[LayerWeights],
-                 norm: torch.Tensor, lm_head: torch.Tensor, max_position: int,
-                 kernels: ModuleType, int8_lm_head: bool = False) -> None:
+                 norm: torch.Tensor, lm_head: torch.Tensor | None, max_position: int,
+                 kernels: ModuleType, int8_lm_head: Int8Weight | None = None) -> None:
         """kernels: the backend module (pagedserve.kernels.cpu / .triton / .reference); int8_lm_head:
-        the LM head's weight quantized to int8 (`quantization: int8`; a tied embedding then reads its
-        rows back from the same codes)."""
+        the LM head's weight quantized to int8 (`quantization: int8`), used in place of lm_head (a
+        tied embedding, lm_head is embed, then reads its rows back from the same codes)."""
         self.arch = arch
         self.embed = embed
         self.layers = layers
         self.norm = norm
-        whole = Linear(lm_head, prepack=getattr(kernels, "prepack_linear", None), int8=int8_lm_head,
+        whole = Linear(lm_head if int8_lm_head is None else int8_lm_head,
+                       prepack=getattr(kernels, "prepack_linear", None),
                        prepack_int8=getattr(kernels, "prepack_int8_linear", None), dtype=embed.dtype)
         if whole.packed is None and whole.kernel is None and embed.device.type == "cpu":
             self.lm_head = [Linear(w) for w in lm_head.split(CPU_LM_HEAD_SLICE)]

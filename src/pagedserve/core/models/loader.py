@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -23,7 +23,7 @@ from pagedserve.core.errors import ModelNotFound, UnsupportedModel
 from pagedserve.core.layers.linear import Linear
 from pagedserve.core.models.arch import ModelArch
 from pagedserve.core.models.llama import LayerWeights, LlamaDecoder
-from pagedserve.kernels.reference.int8_linear import Int8Weight, from_q8_0
+from pagedserve.kernels.reference.int8_linear import Int8Weight, from_q8_0, quantize_per_channel
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -31,8 +31,8 @@ CONVERT_HANDLE_BYTES = 64 << 20
 INT8_LM_HEAD = True
 """Whether `quantization: int8` quantizes the LM head (and a tied embedding, looked up from the same
 codes) too. Measured on SmolLM2-135M (tied, 21% of its weights): weights 0.50x bf16 with it, 0.61x
-without (over issue 35's 0.55x); argmax agreement with fp32 95.2% with it, 95.6% without
-(docs/quantization.md)."""
+without (over issue 35's 0.55x); argmax agreement with fp32 95.2% with it, 95.6% without, both
+rounded to nearest (calibrated, with it: 97.5%; docs/quantization.md)."""
 
 
 class _Checkpoint:
@@ -72,20 +72,25 @@ class _Checkpoint:
     def has(self, name: str) -> bool:
         return name in self._where
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor in `dtype` (default: the model's)."""
+        dtype = dtype or self.dtype
         if name not in self._where:
             raise UnsupportedModel(f"checkpoint has no tensor {name!r}; is this a Llama-family model?")
         self.used.add(name)
         shard = self._where[name]
         handle = self._handles[shard]
         name = self._stored.get(name, name)
-        if self.device.type == "cpu" and _SAFETENSORS_DTYPES.get(handle.get_slice(name).get_dtype()) == self.dtype:
+        # Read in the model's dtype as stored: through the handle open all along. Anything else
+        # (converted, or int8's full-precision reads) through the converting one, whose pages go.
+        if (self.device.type == "cpu" and dtype == self.dtype
+                and _SAFETENSORS_DTYPES.get(handle.get_slice(name).get_dtype()) == dtype):
             return handle.get_tensor(name)
         if self._converting is None or self._converting[0] != shard or self._converted_bytes > CONVERT_HANDLE_BYTES:
             self._converting, self._converted_bytes = (shard, safe_open(str(shard), framework="pt")), 0
         stored = self._converting[1].get_tensor(name)
         self._converted_bytes += stored.numel() * stored.element_size()
-        return stored.to(device=self.device, dtype=self.dtype)
+        return stored.to(device=self.device, dtype=dtype)
 
     def close_converting(self) -> None:
         """Drop the converting handle (and the pages read through it) once loading is done."""
@@ -148,10 +153,23 @@ def _cat(*parts: torch.Tensor | None) -> torch.Tensor | None:
     return torch.cat(parts, dim=0).contiguous()
 
 
+Int8Quantizer = Callable[[str, Callable[[], torch.Tensor]], Int8Weight]
+"""(key, full-precision weight getter) -> its int8 form. Keys: "layers.{i}.qkv", "layers.{i}.o",
+"layers.{i}.gate_up", "layers.{i}.down" and "lm_head" (core/models/int8_calibration.py)."""
+
+
+def round_to_nearest(key: str, weight: Callable[[], torch.Tensor]) -> Int8Weight:
+    """The quantizer without a calibration run: per channel, each weight to its nearest code."""
+    return quantize_per_channel(weight())
+
+
 def load_decoder(path: Path, arch: ModelArch, dtype: torch.dtype, device: torch.device,
-                 max_position: int, kernels: ModuleType, quantization: str | None = None) -> LlamaDecoder:
-    """quantization: None, or "int8" (every decoder projection quantized per output channel at load;
-    the LM head too where INT8_LM_HEAD)."""
+                 max_position: int, kernels: ModuleType, quantization: str | None = None,
+                 int8_quantizer: Int8Quantizer = round_to_nearest) -> LlamaDecoder:
+    """quantization: None, or "int8": every decoder projection, and the LM head too where
+    INT8_LM_HEAD, quantized per output channel by `int8_quantizer` from the checkpoint's values in
+    float32 (not from their model-dtype rounding: the int8 rounding then happens once); GGUF Q8_0
+    projections are taken as stored."""
     ckpt = _Checkpoint(path, dtype, device, arch.multimodal_text)
     # The backend's packed linear layers where it has them (kernels/cpu: bf16 on AMX).
     prepack = getattr(kernels, "prepack_linear", None)
@@ -165,46 +183,57 @@ def load_decoder(path: Path, arch: ModelArch, dtype: torch.dtype, device: torch.
     # projection mixing Q8_0 with other types is quantized per channel from its decoded values.
     q8_0 = _q8_0_blocks(path) if int8 else {}
 
-    def weight(names: list[str]) -> torch.Tensor | Int8Weight:
+    def weight(key: str, names: list[str]) -> torch.Tensor | Int8Weight:
         if names and all(n in q8_0 for n in names):
             ckpt.used.update(names)
             return q8_0[names[0]] if len(names) == 1 else _cat_int8([q8_0[n] for n in names])
+        if int8:  # a quantizer with the result at hand (a cached calibration) reads nothing
+            ckpt.used.update(names)
+            return int8_quantizer(key, lambda: _cat(*(ckpt.get(n, torch.float32) for n in names)))
         return ckpt.get(names[0]) if len(names) == 1 else _cat(*(ckpt.get(n) for n in names))
 
     def norm(name: str) -> torch.Tensor:
         w = ckpt.get(name)
         return (1.0 + w.float()).to(w.dtype) if arch.gemma_norms else w
 
-    def fused(prefix: str, fused_name: str, parts: tuple[str, ...], suffix: str) -> torch.Tensor | Int8Weight | None:
+    def fused(key: str, prefix: str, fused_name: str, parts: tuple[str, ...],
+              suffix: str) -> torch.Tensor | Int8Weight | None:
         if arch.fused_checkpoint:
-            return weight([prefix + fused_name + suffix]) if suffix == ".weight" else ckpt.maybe(prefix + fused_name + suffix)
+            return weight(key, [prefix + fused_name + suffix]) if suffix == ".weight" else ckpt.maybe(prefix + fused_name + suffix)
         if suffix == ".weight":
-            return weight([prefix + x + suffix for x in parts])
+            return weight(key, [prefix + x + suffix for x in parts])
         return _cat(*(ckpt.maybe(prefix + x + suffix) for x in parts))
 
     layers = []
     for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
+        p, key = f"model.layers.{i}.", f"layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
         qkv_parts, gate_up_parts = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
         layers.append(LayerWeights(
             input_norm=norm(p + "input_layernorm.weight"),
-            qkv=linear(fused(attn, "qkv_proj", qkv_parts, ".weight"), fused(attn, "qkv_proj", qkv_parts, ".bias")),
-            o=linear(weight([attn + "o_proj.weight"]), ckpt.maybe(attn + "o_proj.bias")),
+            qkv=linear(fused(key + "qkv", attn, "qkv_proj", qkv_parts, ".weight"),
+                       fused("", attn, "qkv_proj", qkv_parts, ".bias")),
+            o=linear(weight(key + "o", [attn + "o_proj.weight"]), ckpt.maybe(attn + "o_proj.bias")),
             q_norm=norm(attn + "q_norm.weight") if arch.qk_norm else None,
             k_norm=norm(attn + "k_norm.weight") if arch.qk_norm else None,
             post_norm=norm(p + "post_attention_layernorm.weight"),
-            gate_up=linear(fused(mlp, "gate_up_proj", gate_up_parts, ".weight"),
-                           fused(mlp, "gate_up_proj", gate_up_parts, ".bias")),
-            down=linear(weight([mlp + "down_proj.weight"]), ckpt.maybe(mlp + "down_proj.bias")),
+            gate_up=linear(fused(key + "gate_up", mlp, "gate_up_proj", gate_up_parts, ".weight"),
+                           fused("", mlp, "gate_up_proj", gate_up_parts, ".bias")),
+            down=linear(weight(key + "down", [mlp + "down_proj.weight"]), ckpt.maybe(mlp + "down_proj.bias")),
             pre_ff_norm=norm(p + "pre_feedforward_layernorm.weight") if arch.gemma_norms else None,
             post_ff_norm=norm(p + "post_feedforward_layernorm.weight") if arch.gemma_norms else None,
         ))
     embed = ckpt.get("model.embed_tokens.weight")
-    if arch.tie_word_embeddings or not ckpt.has("lm_head.weight"):
-        lm_head = embed
+    head_name = ("model.embed_tokens.weight" if arch.tie_word_embeddings or not ckpt.has("lm_head.weight")
+                 else "lm_head.weight")
+    int8_lm_head = None
+    if int8 and INT8_LM_HEAD:
+        ckpt.used.add(head_name)
+        int8_lm_head = int8_quantizer("lm_head", lambda: ckpt.get(head_name, torch.float32))
+    if head_name == "model.embed_tokens.weight":
+        lm_head = embed  # tied (the decoder then looks the embedding up from int8_lm_head's codes)
     else:
-        lm_head = ckpt.get("lm_head.weight")
+        lm_head = ckpt.get(head_name) if int8_lm_head is None else None
     final_norm = norm("model.norm.weight")
     # Rotary inverse-frequency buffers some exporters save are recomputed from the config; static
     # KV-cache scales are read by core/kv_cache/cache_tensors.py.
@@ -212,5 +241,4 @@ def load_decoder(path: Path, arch: ModelArch, dtype: torch.dtype, device: torch.
     if leftovers:
         raise UnsupportedModel(f"checkpoint tensors not understood: {leftovers[:5]} (total {len(leftovers)})")
     ckpt.close_converting()  # before the LM head is packed
-    return LlamaDecoder(arch, embed, layers, final_norm, lm_head, max_position, kernels,
-                        int8_lm_head=int8 and INT8_LM_HEAD)
+    return LlamaDecoder(arch, embed, layers, final_norm, lm_head, max_position, kernels, int8_lm_head)
