@@ -135,3 +135,16 @@ def test_recording_sums_x_transpose_x_and_passes_the_layer_through():
     recording.flush()
     x = torch.cat(chunks).double()
     torch.testing.assert_close(sums["k"], x.T @ x, rtol=1e-5, atol=1e-5)  # products in float32
+
+
+def test_a_failed_write_leaves_no_partial_file(tiny_model_dir, cache, monkeypatch, caplog):
+    def disk_full(tensors, path, metadata=None):
+        open(path, "wb").write(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(calibration, "save_file", disk_full)
+    with caplog.at_level(logging.WARNING):
+        engine = int8_engine(tiny_model_dir("llama3"))
+    assert "No space left" in caplog.text
+    assert list((cache / "int8").iterdir()) == []  # neither the file nor its temp copy
+    assert len(engine.generate(PROMPTS, GREEDY)[0].token_ids) == 8

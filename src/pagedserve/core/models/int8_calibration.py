@@ -19,6 +19,7 @@ says so); an unreadable file is calibrated again and replaced.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
@@ -154,6 +155,7 @@ class CalibratedQuantizer:
         tensors = {}
         for key, q in self.made.items():
             tensors[key + ".codes"], tensors[key + ".scales"] = q.qweight, q.scales
+        tmp = None
         try:
             self.file.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{self.file.name}.", dir=self.file.parent)
@@ -162,6 +164,8 @@ class CalibratedQuantizer:
             os.chmod(tmp, 0o644)
             os.replace(tmp, self.file)
         except OSError as exc:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)  # e.g. a full disk: no half-written file left behind
             logger.warning("int8 calibration not cached (%s): every start recalibrates; set %s to a writable "
                            "folder", exc, "PAGEDSERVE_CACHE_DIR")
 
@@ -201,6 +205,7 @@ def calibrated_quantizer(model_path: Path, start_unquantized: Callable[[], Any])
     engine = start_unquantized()
     hessians = collect_hessians(engine)
     del engine
+    gc.collect()  # the engine's reference cycles hold the float32 model until a collection
     logger.info("int8 calibration run: %.1f s", time.perf_counter() - started)
     return CalibratedQuantizer(file, hessians=hessians)
 
