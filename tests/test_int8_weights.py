@@ -22,6 +22,7 @@ from pagedserve.core.engine import LLMEngine
 from pagedserve.core.errors import ConfigError
 from pagedserve.core.models import int8_calibration, loader
 from pagedserve.core.sampling_params import SamplingParams
+from pagedserve.kernels.reference.int8_linear import Int8Weight
 from pagedserve.tools.engine_args import add_engine_args, engine_config_from_args
 
 from tests.oracle import hf_greedy
@@ -65,7 +66,8 @@ def dequantized_copy(src, dst):
     def put(names, key):
         if key + ".codes" not in calibrated:
             return
-        values = calibrated[key + ".codes"].float() * calibrated[key + ".scales"].T  # scales [1, out]
+        codes = calibrated[key + ".codes"]
+        values = Int8Weight(codes, calibrated[key + ".scales"], codes.shape[1]).dequantize(torch.float32)
         for name, part in zip(names, values.split([tensors[n].shape[0] for n in names])):
             tensors[name] = part.to(tensors[name].dtype)
 

@@ -23,7 +23,6 @@ import gc
 import hashlib
 import logging
 import os
-import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagedserve.core.models.gguf.cache import content_digest, default_cache_root
+from pagedserve.core.models.gguf.cache import CACHE_ENV, content_digest, default_cache_root, file_stem
 from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.kernels.reference.int8_linear import Int8Weight, quantize_per_channel
 
@@ -167,7 +166,7 @@ class CalibratedQuantizer:
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)  # e.g. a full disk: no half-written file left behind
             logger.warning("int8 calibration not cached (%s): every start recalibrates; set %s to a writable "
-                           "folder", exc, "PAGEDSERVE_CACHE_DIR")
+                           "folder", exc, CACHE_ENV)
 
 
 def cache_file(model_path: Path) -> Path:
@@ -176,8 +175,8 @@ def cache_file(model_path: Path) -> Path:
     for f in sorted(model_path.glob("*.safetensors")) + [model_path / "config.json"]:
         if f.is_file():
             digest.update(f"{f.name}:{content_digest(f)};".encode())
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", model_path.name).strip(".-")[:80] or "model"
-    return default_cache_root() / "int8" / f"{stem}-{digest.hexdigest()[:16]}-v{CALIBRATION_VERSION}.safetensors"
+    name = f"{file_stem(model_path.name)}-{digest.hexdigest()[:16]}-v{CALIBRATION_VERSION}.safetensors"
+    return default_cache_root() / "int8" / name
 
 
 def _read(file: Path) -> dict[str, Int8Weight] | None:

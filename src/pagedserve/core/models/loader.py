@@ -183,14 +183,17 @@ def load_decoder(path: Path, arch: ModelArch, dtype: torch.dtype, device: torch.
     # projection mixing Q8_0 with other types is quantized per channel from its decoded values.
     q8_0 = _q8_0_blocks(path) if int8 else {}
 
+    def read(names: list[str], dtype: torch.dtype | None = None) -> torch.Tensor:
+        return ckpt.get(names[0], dtype) if len(names) == 1 else _cat(*(ckpt.get(n, dtype) for n in names))
+
     def weight(key: str, names: list[str]) -> torch.Tensor | Int8Weight:
         if names and all(n in q8_0 for n in names):
             ckpt.used.update(names)
             return q8_0[names[0]] if len(names) == 1 else _cat_int8([q8_0[n] for n in names])
         if int8:  # a quantizer with the result at hand (a cached calibration) reads nothing
             ckpt.used.update(names)
-            return int8_quantizer(key, lambda: _cat(*(ckpt.get(n, torch.float32) for n in names)))
-        return ckpt.get(names[0]) if len(names) == 1 else _cat(*(ckpt.get(n) for n in names))
+            return int8_quantizer(key, lambda: read(names, torch.float32))
+        return read(names)
 
     def norm(name: str) -> torch.Tensor:
         w = ckpt.get(name)

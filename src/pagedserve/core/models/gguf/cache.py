@@ -36,6 +36,11 @@ def default_cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedserve"
 
 
+def file_stem(name: str) -> str:
+    """A file or folder name as the start of a cache entry's name: safe characters only, at most 80."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip(".-")[:80] or "model"
+
+
 def content_digest(gguf_path: Path) -> str:
     """File size + a hash of the first and last MiB: a few ms, yet different for any re-quantization
     (which rewrites both the header and the tensor data at the end)."""
@@ -109,7 +114,6 @@ def ensure_gguf_model(gguf_path: Path, cache_dir: Path | None = None, progress: 
     if not gguf_path.is_file():
         raise ModelNotFound(f"GGUF file {str(gguf_path)!r} does not exist")
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", gguf_path.stem).strip(".-")[:80] or "model"
-    key = f"gguf-{stem}-{content_digest(gguf_path)}-fmt{CONVERTER_FORMAT_VERSION}"
+    key = f"gguf-{file_stem(gguf_path.stem)}-{content_digest(gguf_path)}-fmt{CONVERTER_FORMAT_VERSION}"
     # Looked up at call time, so tests can swap the converter on the module.
     return convert_once(gguf_path, root, key, convert.convert_gguf_to_hf, progress, gguf_path.name)
