@@ -154,8 +154,8 @@ def resident_from_shard():
     return total
 
 get, peak, largest = loader._Checkpoint.get, [0], [0]
-def watched(self, name):
-    tensor = get(self, name)
+def watched(self, name, *dtype):
+    tensor = get(self, name, *dtype)
     largest[0] = max(largest[0], tensor.numel() * 4)
     peak[0] = max(peak[0], resident_from_shard())
     return tensor
