@@ -12,6 +12,22 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
+class SampledRows:
+    """The requests whose last row is a logits row, when those rows are all the logits rows and
+    some rows are not (a prefill chunk among them, no prompt logprobs): the last layer then attends,
+    projects and normalises only these rows (the others only leave their K and V in the cache),
+    as decode rows of these requests."""
+
+    block_tables: tuple[torch.Tensor, ...]
+    """Per layer group, the rows of its block table of these requests, in logits row order."""
+    query_start_loc: torch.Tensor
+    """int32 [n + 1]: 0 .. n, one query row each."""
+    seq_lens: torch.Tensor
+    """int32 [n]: their seq_lens."""
+    max_seq_len: int
+
+
+@dataclass(frozen=True, slots=True)
 class ForwardBatch:
     """A packed varlen batch: the scheduled tokens of B requests laid end to end (no padding).
 
@@ -42,6 +58,10 @@ class ForwardBatch:
     lora: "LoRABatch | None" = None
     """Each row's LoRA adapter slot and the stacked weights (core/lora/slots.py); None when no
     request of the step uses an adapter."""
+
+    sampled: SampledRows | None = None
+    """Where the last layer may skip the rows no logits are taken from (SampledRows); None: it
+    computes every row."""
 
     def cache_indexing(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The block table and slot mapping of a layer group."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedserve.core.forward_batch import ForwardBatch
+from pagedserve.core.forward_batch import ForwardBatch, SampledRows
 from pagedserve.core.kv_cache.cache_tensors import KVCacheSpec, allocate_kv_caches
 from pagedserve.core.kv_cache.layout import KVCacheLayout
 from pagedserve.core.lora.slots import LoRASlots
@@ -80,14 +80,24 @@ class ModelRunner:
                                    for x in samples), dtype=np.int64, count=len(samples))
             rope_lengths = dev(np.maximum(np.repeat(lengths, q_lens), positions + 1))
 
+        tables = [block_table]
         group_tables = ()
         if self.num_groups > 1:
-            group_tables = tuple(tuple(map(dev, self._cache_indexing(rows, g, row_of_token, positions)))
-                                 for g in range(1, self.num_groups))
+            indexing = [self._cache_indexing(rows, g, row_of_token, positions) for g in range(1, self.num_groups)]
+            tables += [table for table, _ in indexing]
+            group_tables = tuple(tuple(map(dev, pair)) for pair in indexing)
         lora = None
         if self.lora is not None:
             lora_ids = np.fromiter((x.static.lora_id for x in samples), dtype=np.int64, count=len(samples))
             lora = self.lora.batch(lora_ids, q_lens)
+        sampled = None
+        num_sampled = len(logits_indices)
+        if lora is None and counts.max(initial=0) <= 1 and 0 < num_sampled < num_tokens:
+            # Each logits row is its request's last row: the last layer needs no other row.
+            seqs = np.flatnonzero(counts)
+            sampled = SampledRows(block_tables=tuple(dev(table[seqs]) for table in tables),
+                                  query_start_loc=dev(np.arange(num_sampled + 1, dtype=np.int32)),
+                                  seq_lens=dev(seq_lens[seqs].astype(np.int32)), max_seq_len=int(seq_lens[seqs].max()))
         return ForwardBatch(
             input_ids=dev(input_ids),
             positions=dev(positions),
@@ -101,6 +111,7 @@ class ModelRunner:
             rope_lengths=rope_lengths,
             group_tables=group_tables,
             lora=lora,
+            sampled=sampled,
         )
 
     def _cache_indexing(self, rows: np.ndarray, group: int, row_of_token: np.ndarray,

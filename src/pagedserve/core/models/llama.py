@@ -184,10 +184,15 @@ class LlamaDecoder:
         # Each rope's (cos, sin, row per token) for this batch, shared by the layers that use it.
         ropes = {id(r): r.rows(batch.positions, batch.rope_lengths) for r in (self.rotary, self.local_rotary)}
         x = ops.rms_norm(residual, self.layers[0].input_norm, eps)
+        # A prefill chunk's rows other than its last feed the logits through no layer after this
+        # one: the last layer takes only the logits rows past its K / V (ForwardBatch.sampled).
+        last = len(self.layers) - 1 if batch.sampled is not None else None
         for i, (w, kv) in enumerate(zip(self.layers, kv_caches)):
             window = self.arch.sliding_windows[i]
             rope = ropes[id(self.local_rotary if window is not None else self.rotary)]
-            x = self._attention(i, x, w, kv, batch, window, rope)
+            x = self._attention(i, x, w, kv, batch, window, rope, only_sampled=i == last)
+            if i == last:
+                residual = residual[batch.logits_indices]
             if gemma:
                 x = ops.rms_norm(x, w.post_norm, eps)
                 x, residual = ops.add_rms_norm(x, residual, w.pre_ff_norm, eps)
@@ -207,11 +212,16 @@ class LlamaDecoder:
                 x, residual = ops.add_rms_norm(x, residual, self.layers[i + 1].input_norm, eps)
             if self.between_layers is not None:
                 self.between_layers()
+        if last is not None:  # the rows are the logits rows already
+            return ops.rms_norm(residual + x, self.norm, eps)
         rows = batch.logits_indices
         return ops.rms_norm(residual[rows] + x[rows], self.norm, eps)
 
     def _attention(self, layer: int, x: torch.Tensor, w: LayerWeights, kv: KVCacheTensors, batch: ForwardBatch,
-                   window: int | None, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                   window: int | None, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                   only_sampled: bool = False) -> torch.Tensor:
+        """The attention block's output for every row, or (only_sampled) for batch.sampled's rows,
+        each its request's last, attending as a decode row does; every row's K and V are cached."""
         a = self.arch
         cos, sin, rows = rope
         qkv = w.qkv(x)
@@ -223,11 +233,18 @@ class LlamaDecoder:
         # Each layer group has its own block table (sliding-window groups drop blocks before the window).
         block_table, slot_mapping = batch.cache_indexing(kv.group)
         self.kernels.reshape_and_cache(k, v, kv.key_cache, kv.value_cache, slot_mapping, kv.k_scale, kv.v_scale)
+        query_start_loc, seq_lens, max_query_len, max_seq_len = (batch.query_start_loc, batch.seq_lens,
+                                                                 batch.max_query_len, batch.max_seq_len)
+        if only_sampled:
+            sampled = batch.sampled
+            q, block_table = q[batch.logits_indices], sampled.block_tables[kv.group]
+            query_start_loc, seq_lens, max_query_len, max_seq_len = (sampled.query_start_loc, sampled.seq_lens, 1,
+                                                                     sampled.max_seq_len)
         o = self.kernels.paged_attention(
-            q, kv.key_cache, kv.value_cache, block_table, batch.query_start_loc, batch.seq_lens,
-            self.scale, batch.max_query_len, batch.max_seq_len, window, kv.k_scale, kv.v_scale, a.attn_softcap,
+            q, kv.key_cache, kv.value_cache, block_table, query_start_loc, seq_lens,
+            self.scale, max_query_len, max_seq_len, window, kv.k_scale, kv.v_scale, a.attn_softcap,
         )
-        o = o.reshape(x.shape[0], a.num_heads * a.head_dim)
+        o = o.reshape(q.shape[0], a.num_heads * a.head_dim)
         if batch.lora is None:
             return w.o(o)
         out = w.o(o)
