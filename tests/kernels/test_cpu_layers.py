@@ -129,3 +129,25 @@ def test_store_kv_writes_each_slot_once(cache_dtype, kv_dtype):
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots] = False
     assert (caches[0].view(-1, kv_heads, head_dim)[untouched] == -7.0).all()
+
+
+@pytest.mark.parametrize("bad", [-1, 512])
+def test_rotary_qkv_refuses_a_position_outside_the_table(bad):
+    """Every position is checked (a plain loop over the rows, not only its ends), before anything
+    is read from the table."""
+    ext = load_extension()
+    qkv = rows(5, (9 + 2 * 3) * 64, torch.float32)
+    cos, sin = rotary_tables(512, 64, torch.float32)
+    assert ext.rotary_qkv(qkv, torch.tensor([0, 3, 511, 2, 1]), cos, sin, 9, 3, None, None, 1e-6)[0].shape == (5, 9, 64)
+    with pytest.raises(RuntimeError, match="a position is outside the cos/sin table"):
+        ext.rotary_qkv(qkv, torch.tensor([0, 3, bad, 2, 1]), cos, sin, 9, 3, None, None, 1e-6)
+
+
+@pytest.mark.parametrize("bad", [-1, 6 * 16])
+def test_store_kv_refuses_a_slot_outside_the_cache(bad):
+    ext = load_extension()
+    key = rows(4, 3 * 64, torch.float32, 6).view(4, 3, 64)
+    caches = [torch.full((6, 16, 3, 64), -7.0) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="a slot is outside the cache"):
+        ext.store_kv(key, key, *caches, torch.tensor([5, bad, 7, 8]))
+    assert (caches[0] == -7.0).all() and (caches[1] == -7.0).all()  # refused before any write
