@@ -95,9 +95,10 @@ class ModelRunner:
         if lora is None and counts.max(initial=0) <= 1 and 0 < num_sampled < num_tokens:
             # Each logits row is its request's last row: the last layer needs no other row.
             seqs = np.flatnonzero(counts)
+            lens = seq_lens[seqs]
             sampled = SampledRows(block_tables=tuple(dev(table[seqs]) for table in tables),
                                   query_start_loc=dev(np.arange(num_sampled + 1, dtype=np.int32)),
-                                  seq_lens=dev(seq_lens[seqs].astype(np.int32)), max_seq_len=int(seq_lens[seqs].max()))
+                                  seq_lens=dev(lens.astype(np.int32)), max_seq_len=int(lens.max()))
         return ForwardBatch(
             input_ids=dev(input_ids),
             positions=dev(positions),
