@@ -205,15 +205,11 @@ PAGEDSERVE_AMX void softmax_chunk(const float* scores, int64_t ld, int64_t rows,
   }
 }
 
-// The order work items run in: (KV head, 32-row block), blocks zigzagged (first, last, second, ...)
-// so that at::parallel_for's contiguous ranges get as many early (short causal) blocks as late ones.
+// The order work items run in: (KV head, 32-row block), blocks zigzagged (prefill_args.h).
 struct Item {
   int64_t kv_head, row0;
 };
-inline Item item_at(int64_t i, int64_t blocks) {
-  const int64_t j = i % blocks, b = j % 2 == 0 ? j / 2 : blocks - 1 - j / 2;
-  return {i / blocks, b * kBlockRows};
-}
+inline Item item_at(int64_t i, int64_t blocks) { return {i / blocks, zigzag_block(i % blocks, blocks) * kBlockRows}; }
 
 // Work items [i0, i1) of one sequence (item_at), query rows [q0, q0 + q_len) at positions
 // [n - q_len, n), over the tiles gathered from t0; window 0: none. An item runs the block's rows

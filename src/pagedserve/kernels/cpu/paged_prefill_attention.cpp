@@ -16,7 +16,7 @@
 // scores S = Q K^T over the keys up to the block's last row (the causal limit, in whole panels),
 // an exact softmax per row in fp32 over the keys its position may see (no online rescaling: a
 // block's score rows, 12 x seq_len floats, fit in L2), and O = P V, divided by the row sums.
-// Work items (head, row block) are split across threads. Queries, output and caches all fp32 or
+// Work items (head, row block, blocks zigzagged: prefill_args.h) are split across threads. Queries, output and caches all fp32 or
 // all bf16 (a block's bf16 query rows are widened into a buffer, its output rounded once at the
 // end), head_dim a multiple of 32; the Python side keeps the reference SDPA for the rest.
 //
@@ -189,7 +189,8 @@ void prefill_sequence(T* out, const T* query, const float* kt, const float* v, i
       o_rows.resize(q_rows.size());
     }
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t h = i / blocks, r0 = (i % blocks) * kBlockRows, rows = std::min(kBlockRows, q_len - r0);
+      const int64_t h = i / blocks, r0 = zigzag_block(i % blocks, blocks) * kBlockRows;
+      const int64_t rows = std::min(kBlockRows, q_len - r0);
       const int64_t kvh = h / group;
       const int64_t keys = first_pos + r0 + rows;  // the block's last row sees keys [.., keys)
       const int64_t keys_pad = (keys + kPanel - 1) / kPanel * kPanel;
