@@ -242,8 +242,8 @@ PAGEDSERVE_INLINE void attend_heads(const float* q, const void* kr, const void* 
       // Lanes past the chunk's end repeat its last row: finite values, masked below.
       const int64_t row = rows[std::min(t0 + t, n - 1)] + kv_offset;
       // This KV head's rows of the next chunk, a few lines per position, into L2 (prefetcht1): W64
-      // bf16 ran 2-5% faster than with them pulled into L1 (prefetcht0), fp32 the same; the rows
-      // are read a chunk later, by when L1 has turned over (docs/benchmarks.md, 2026-12-07).
+      // bf16 ran 2-5% faster than with them pulled into L1 (prefetcht0), fp32 the same
+      // (docs/benchmarks.md, 2026-12-07).
       if (t0 + t < next_n) {
         const char* kn = static_cast<const char*>(kr) + (next_rows[t0 + t] + kv_offset) * kBytes;
         const char* vn = static_cast<const char*>(vr) + (next_rows[t0 + t] + kv_offset) * kBytes;

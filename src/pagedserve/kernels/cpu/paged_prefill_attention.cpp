@@ -16,9 +16,10 @@
 // scores S = Q K^T over the keys up to the block's last row (the causal limit, in whole panels),
 // an exact softmax per row in fp32 over the keys its position may see (no online rescaling: a
 // block's score rows, 12 x seq_len floats, fit in L2), and O = P V, divided by the row sums.
-// Work items (head, row block, blocks zigzagged: prefill_args.h) are split across threads. Queries, output and caches all fp32 or
-// all bf16 (a block's bf16 query rows are widened into a buffer, its output rounded once at the
-// end), head_dim a multiple of 32; the Python side keeps the reference SDPA for the rest.
+// Work items (head, row block; the blocks zigzagged, prefill_args.h) are split across threads.
+// Queries, output and caches all fp32 or all bf16 (a block's bf16 query rows are widened into a
+// buffer, its output rounded once at the end), head_dim a multiple of 32; the Python side keeps
+// the reference SDPA for the rest.
 //
 // Attention logit softcapping (Gemma 2): a block's visible scores are scaled and capped
 // (tanh(s * scale / cap) * cap, vec.h's softcap_scores) before the softmax, which then runs

@@ -13,9 +13,9 @@ struct PrefillShapes {
 
 // The row block that runs j-th of a sequence's `blocks` (per head): first, last, second, second
 // to last, ... A causal block's cost grows with its position, so at::parallel_for's contiguous
-// ranges of (head, block) items then get as many early blocks as late ones; in order, the thread
-// whose range ended mid-head took that head's cheap half (measured on the fp32 kernel at 9 heads:
-// 4.25 heads' worth of work against 4.75).
+// ranges of (head, block) items then get as many early blocks as late ones. In plain order, with
+// 9 heads on 2 threads, the range that ended mid-head took that head's cheap half: 4.25 heads'
+// worth of causal work against 4.75.
 inline int64_t zigzag_block(int64_t j, int64_t blocks) { return j % 2 == 0 ? j / 2 : blocks - 1 - j / 2; }
 
 inline void check_prefill_tensor(const char* kernel, const torch::Tensor& t, const char* name, int64_t dim,
