@@ -9,7 +9,8 @@
 // of this host's fp32 FMA peak on SmolLM2's projections (147 of ~300 GFLOP/s over W64's decode
 // steps): the weights are cold on every call (430 MB per step, far beyond L2), and reading them and
 // computing on them do not overlap. Here the next panel is prefetched into L2 while the current
-// one is multiplied with every row, so the stream hides behind the FMAs.
+// one is multiplied with every row, so the stream hides behind the FMAs; the block asks for its
+// own panel a few steps ahead into L1 (fp32_gemm.h: Prefetch::streamed).
 //
 // Why bf16 here: on a CPU with AVX-512F but neither AVX512-BF16 nor AMX, oneDNN's bf16 matmul
 // runs an emulation (a W64 run spent 103 of 126 s in it, 3.5x the fp32 run). Widening bf16 to
@@ -192,7 +193,8 @@ void panels(const typename Math::X* xp, const typename Math::Panel::T* w, const 
       const int64_t ld = kInPlace ? N : kPanel;
       for (int64_t i = 0; i < num_blocks; ++i) {
         const int64_t r0 = i * kBlockRows, rows = std::min(kBlockRows, c1 - c0 - r0);
-        Math::block(rows, xp + (c0 + r0) * K / Math::kKPerX, panel, K, first + r0 * ld, ld, {next, i, num_blocks});
+        const fp32_gemm::Prefetch<Panel> pf{next, i, num_blocks, /*streamed=*/true};
+        Math::block(rows, xp + (c0 + r0) * K / Math::kKPerX, panel, K, first + r0 * ld, ld, pf);
       }
       for (int64_t r = 0; r < c1 - c0; ++r) {
         float* row = first + r * ld;
