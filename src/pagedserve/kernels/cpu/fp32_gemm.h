@@ -139,7 +139,8 @@ struct EmulatedDot {
 // Steps of `next` (step stride ldp, in T values) with step % every == phase are prefetched into
 // L2 during the block, so `every` blocks over one panel prefetch the next panel once, evenly
 // spread. `streamed`: the panel itself is read from L2 (larger than L1, as the linear layers'
-// 73-196 KB panels are), so `block` also asks for its step kL1Ahead steps ahead into L1.
+// 73-196 KB panels are), so `block` also asks for its step kL1Ahead steps ahead into L1
+// (pair_block and the AVX2 blocks ignore it: not measured there).
 template <class Panel>
 struct Prefetch {
   const typename Panel::T* next = nullptr;
@@ -152,13 +153,21 @@ struct Prefetch {
 // none (4 and 12 about the same as 8); unchanged at 8 and 64 rows.
 constexpr int64_t kL1Ahead = 8;
 
-// The prefetch of `pf.next`'s step `step` when it is this block's turn (see Prefetch). (SSE only:
-// it inlines into the AVX-512 and the AVX2 blocks alike.)
+// Both cache lines of the 128-byte panel step at `step` into the cache the hint names
+// (_MM_HINT_T0: L1, _MM_HINT_T1: L2). A prefetch never faults, so `step` may lie past the panel.
+// (SSE only: it inlines into the AVX-512 and the AVX2 blocks alike.)
+template <int Hint>
+inline void prefetch_step_lines(const void* step) {
+  const char* p = static_cast<const char*>(step);
+  _mm_prefetch(p, static_cast<_mm_hint>(Hint));
+  _mm_prefetch(p + 64, static_cast<_mm_hint>(Hint));
+}
+
+// The prefetch of `pf.next`'s step `step` when it is this block's turn (see Prefetch).
 template <class Panel>
 inline void prefetch_step(const Prefetch<Panel>& pf, int64_t step, int64_t ldp, int64_t& due) {
   if (step == due) {
-    _mm_prefetch(reinterpret_cast<const char*>(pf.next + step * ldp), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(pf.next + step * ldp) + 64, _MM_HINT_T1);
+    prefetch_step_lines<_MM_HINT_T1>(pf.next + step * ldp);
     due += pf.every;
   }
 }
@@ -207,11 +216,7 @@ PAGEDSERVE_AVX512 void block(const float* x, int64_t ldx, const typename Panel::
     for (int64_t k = k0; k < k1; k += kK) {
       const int64_t step = k / kK;
       prefetch_step(pf, step, ldp, due);
-      if (pf.streamed) {  // past the panel's end near its last steps: a prefetch never faults
-        const char* ahead = reinterpret_cast<const char*>(panel + (step + kL1Ahead) * ldp);
-        _mm_prefetch(ahead, _MM_HINT_T0);
-        _mm_prefetch(ahead + 64, _MM_HINT_T0);
-      }
+      if (pf.streamed) prefetch_step_lines<_MM_HINT_T0>(panel + (step + kL1Ahead) * ldp);
       __m512 w[2 * kK];
       Panel::load(panel + step * ldp, w);
 #pragma GCC unroll 2
@@ -288,10 +293,7 @@ PAGEDSERVE_AVX2 void ymm_block(const float* x, int64_t ld, const float* panel, i
   __m256 acc[R][C];
   int64_t due = pf.next != nullptr ? pf.phase : K;
   auto prefetch_until = [&](int64_t end) {  // every due step before `end`
-    for (; due < end; due += pf.every) {
-      _mm_prefetch(reinterpret_cast<const char*>(pf.next + due * ldp), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(pf.next + due * ldp) + 64, _MM_HINT_T1);
-    }
+    for (; due < end; due += pf.every) prefetch_step_lines<_MM_HINT_T1>(pf.next + due * ldp);
   };
   for (int64_t k0 = 0; k0 < K; k0 += kSumBlock) {
 #pragma GCC unroll 6
