@@ -12,6 +12,13 @@ bias). bf16 outputs are that fp32 sum rounded once to bf16: equal to the exact v
 bf16, except where the fp32 sum's error reaches across a rounding midpoint, where the neighbouring
 bf16 value is right too.
 
+fp32 layers on AMX (amx_fp32_linear.cpp) split each value into three bf16 terms, x = xh + xm + xl
+(+ a rest below 2^-27 |x|), and add six of the nine products, each exact in fp32, into one fp32
+accumulator in turn, 32 k at a time: every term on one path, n = 6 * ceil(K / 32) * 32 + 1
+additions with the bias, over terms whose magnitudes sum to at most (1 + 2^-7) sum(|x| |w|); the
+three products left out (xm wl, xl wm, xl wl) and the rests add at most 2^-24 sum(|x| |w|)
+(assert_fp32_split_accurate).
+
 These are properties of a correct kernel, whatever the host and whatever other libraries do: no
 check counts another library's misses (oneDNN's bf16 matmul takes another path, and another
 summation order, on every kind of CPU).
@@ -48,6 +55,21 @@ def assert_fp32_accurate(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bi
     assert got.dtype == torch.float32
     err = (got.double() - exact(x, w, bias)).abs()
     bound = fp32_sum_error_bound(x, w, bias)
+    worst = (err - bound).argmax()
+    assert (err <= bound).all(), f"output {worst.item()} off by {err.flatten()[worst]:.3g} > {bound.flatten()[worst]:.3g}"
+
+
+def assert_fp32_split_accurate(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                               bias: torch.Tensor | None) -> None:
+    """got is within the bound of amx_fp32_linear.cpp's sum (above) of the exact product."""
+    assert got.dtype == torch.float32
+    in_features = x.shape[-1]
+    n = 6 * math.ceil(in_features / 32) * 32 + 1
+    gamma = n * U / (1 - n * U)
+    magnitude = F.linear(x.double().abs(), w.double().abs())
+    bias_magnitude = 0 if bias is None else bias.double().abs()
+    bound = gamma * ((1 + 2.0**-7) * magnitude + bias_magnitude) + 2.0**-24 * magnitude
+    err = (got.double() - exact(x, w, bias)).abs()
     worst = (err - bound).argmax()
     assert (err <= bound).all(), f"output {worst.item()} off by {err.flatten()[worst]:.3g} > {bound.flatten()[worst]:.3g}"
 

@@ -1,7 +1,9 @@
 """The AVX-512 and AVX2 linear kernels (kernels/cpu/simd_linear.cpp) against a float64 matmul of
 the same values. All sum each output in fp32 in blocks of 128 inputs, so every output must lie
 within the bound of such a sum (tests/kernels/linear_oracle.py); bf16 outputs are then rounded once
-to bf16. Nothing here compares with another library's error, which depends on the host.
+to bf16. Nothing here compares with another library's error, which depends on the host. Where AMX runs,
+fp32_linear hands calls of fp32_amx_min_rows() rows or more to amx_fp32_linear.cpp, whose outputs
+are held to that kernel's own bound (test_amx_fp32_linear.py).
 
 Every kernel that runs on this CPU is tested, whichever the CPU prefers
 (test_bf16_kernel_choice_follows_native_bf16, test_fp32_takes_avx2_where_there_is_no_avx512):
@@ -21,7 +23,7 @@ from pagedserve.kernels.cpu.build import load_extension
 from pagedserve.kernels.cpu.linear import (AMX_BF16, AVX2_FP32, AVX512_BF16_DOT, AVX512_BF16_FP32_MATH, AVX512_FP32,
                                            avx512_available, packed_linear, prepack_linear)
 
-from tests.kernels.linear_oracle import assert_bf16_rounded_once, assert_fp32_accurate, exact
+from tests.kernels.linear_oracle import assert_bf16_rounded_once, assert_fp32_accurate, assert_fp32_split_accurate, exact
 
 needs_avx512 = pytest.mark.skipif(not avx512_available(), reason="this CPU has no AVX-512 (prepack_linear declines)")
 needs_avx2 = pytest.mark.skipif(AVX2_FP32 not in cpu_linear.runnable_kernels(torch.float32),
@@ -53,7 +55,10 @@ def test_fp32_linear_matches_float64_matmul(kernel, dtype, rows, out_features, i
     linear = packed_linear(kernel, w)
     got = linear(x, bias)
     assert got.dtype == torch.float32 and got.shape == (rows, out_features)
-    assert_fp32_accurate(got, x, w, bias)
+    if kernel is AVX512_FP32 and cpu_linear.amx_available() and rows >= load_extension().fp32_amx_min_rows():
+        assert_fp32_split_accurate(got, x, w, bias)  # fp32_linear ran amx_fp32_linear.cpp's sums
+    else:
+        assert_fp32_accurate(got, x, w, bias)
 
 
 @pytest.mark.parametrize("kernel,dtype", BF16_KERNELS)

@@ -73,6 +73,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp32_linear", &fp32_linear, "x @ weight.T (+ bias) in fp32 on AVX-512, weight from fp32_pack_weight.",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"),
         py::arg("out") = py::none());
+  m.def("fp32_amx_linear", &fp32_amx_linear,
+        "fp32_linear on AMX: each fp32 value split into three bf16 terms, six of their products summed in fp32.",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"), py::arg("out") = py::none());
+  m.def("fp32_amx_min_rows", &fp32_amx_min_rows, "The fewest rows for which fp32_linear runs fp32_amx_linear on AMX.");
   m.def("avx2_fp32_linear", &avx2_fp32_linear,
         "fp32_linear on AVX2 with FMA (ymm blocks, the same sums), weight from fp32_pack_weight.", py::arg("x"),
         py::arg("packed"), py::arg("bias"), py::arg("out_features"),

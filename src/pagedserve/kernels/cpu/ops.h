@@ -89,6 +89,13 @@ torch::Tensor amx_linear_argmax(torch::Tensor x, torch::Tensor packed, c10::opti
 torch::Tensor amx_gated_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                                int64_t out_features, std::string activation);
 
+// amx_fp32_linear.cpp: fp32_linear's result on AMX (each value split into three bf16 terms), for
+// calls of many rows; over fp32_pack_weight's layout.
+torch::Tensor fp32_amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                              int64_t out_features, c10::optional<torch::Tensor> out);
+// The fewest rows for which fp32_linear takes fp32_amx_linear (where AMX runs).
+int64_t fp32_amx_min_rows();
+
 // simd_linear.cpp
 bool avx512_kernels_available();  // fp32_*/bf16_* linear and paged_prefill_attention (AVX-512 F, BW)
 bool avx512_bf16_dot_native();    // bf16_dot_linear uses vdpbf16ps (AVX512-BF16), not its emulation
@@ -96,6 +103,10 @@ bool avx2_kernels_available();    // avx2_fp32_linear (AVX2 with FMA)
 torch::Tensor fp32_pack_weight(torch::Tensor weight);
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                           int64_t out_features, c10::optional<torch::Tensor> out);
+// fp32_linear on AVX-512's FMAs whatever the rows (fp32_amx_linear's way out for non-finite x).
+torch::Tensor fp32_fma_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                              const c10::optional<torch::Tensor>& bias, int64_t out_features,
+                              const c10::optional<torch::Tensor>& out);
 // avx2_fp32_linear: over fp32_pack_weight's layout
 torch::Tensor avx2_fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                                int64_t out_features, c10::optional<torch::Tensor> out);

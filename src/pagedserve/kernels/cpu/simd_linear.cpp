@@ -404,8 +404,18 @@ bool avx512_bf16_dot_native() { return fp32_gemm::native_bf16_dot(); }
 bool avx2_kernels_available() { return fp32_gemm::avx2_available(); }
 
 torch::Tensor fp32_pack_weight(torch::Tensor weight) { return pack_weight<Fp32Panel>(weight); }
+// From fp32_amx_min_rows() rows on, where AMX runs, the same product on AMX's tile unit
+// (amx_fp32_linear.cpp): prefill chunks, compute-bound here; fewer rows stream the weights here.
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                           int64_t out_features, c10::optional<torch::Tensor> out) {
+  if (x.dim() == 2 && x.size(0) >= fp32_amx_min_rows() && amx_linear_available()) {
+    return fp32_amx_linear(x.contiguous(), packed, bias, out_features, out);
+  }
+  return fp32_fma_linear(x, packed, bias, out_features, out);
+}
+torch::Tensor fp32_fma_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                              const c10::optional<torch::Tensor>& bias, int64_t out_features,
+                              const c10::optional<torch::Tensor>& out) {
   return linear<FmaMath<Fp32Panel>>(x, packed, bias, out_features, false, out);
 }
 torch::Tensor avx2_fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
