@@ -10,7 +10,8 @@ For each dtype and row count it times one pass through each of:
 * torch: what a layer runs when no kernel takes it (core/layers/linear.py: oneDNN's packed bf16
   matmul, F.linear (MKL) for fp32);
 * every packed kernel of pagedserve.kernels.cpu.linear that runs on this CPU, whichever the
-  engine would pick here (marked `*`).
+  engine would pick here (marked `*`). On AMX hosts `avx512-fp32` at 128 rows or more is
+  fp32_linear's AMX path (amx_fp32_linear.cpp), as the engine runs it.
 
 Output: best-of-N milliseconds per pass and GFLOP/s, then per row count which is fastest and the
 picked kernel's speed relative to torch. Name the CPU flags with the figures (printed first):
