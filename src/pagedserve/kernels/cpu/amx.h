@@ -120,6 +120,16 @@ PAGEDSERVE_AMX inline void block_32x32(const uint16_t* a0, const uint16_t* a1, i
   });
 }
 
+// `values` bf16 of this thread's scratch, aligned for 64-byte stores and kept across calls: where
+// the AMX linear kernels put the weight tiles they make per call (int8 codes widened, fp32 values
+// split). One buffer per thread serves every kernel, since a thread runs one kernel at a time.
+inline uint16_t* thread_buffer(int64_t values) {
+  thread_local std::vector<uint16_t> storage;
+  const size_t need = static_cast<size_t>(values + 32);
+  if (storage.size() < need) storage.resize(need);
+  return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+}
+
 // x [M, K] bf16 as tile loads read it: at(r0) is 16 rows from row r0, taken from x, or for the
 // last partial tile (when M is not a multiple of 16) from a zero-padded copy of its rows, so that
 // no tile load reads past x. No copy and no allocation when M is a multiple of 16.

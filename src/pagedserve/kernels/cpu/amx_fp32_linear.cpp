@@ -30,7 +30,6 @@
 #include <ATen/Parallel.h>
 
 #include <atomic>
-#include <vector>
 
 #include "amx.h"
 #include "fp32_gemm.h"
@@ -40,14 +39,14 @@
 namespace pagedserve {
 namespace {
 
-constexpr int64_t kRows = 32;    // rows of x per block (two 16-row tiles)
-constexpr int64_t kSlice = 32;   // k values per tile row (32 bf16 = 64 bytes)
 constexpr int64_t kPanel = fp32_gemm::kPanel;  // output columns per panel (two 16-column tiles)
-constexpr int64_t kTileElems = 512;
-constexpr int64_t kParts = 3;                               // hi, mid, lo
-constexpr int64_t kSliceElems = kParts * 2 * kTileElems;    // one slice of a block or a panel, split
 
 #ifdef PAGEDSERVE_HAVE_AMX
+using amx::kTileElems;
+constexpr int64_t kRows = 32;   // rows of x per block (two 16-row tiles)
+constexpr int64_t kSlice = 32;  // k values per tile row (32 bf16 = 64 bytes)
+constexpr int64_t kParts = 3;   // hi, mid, lo
+constexpr int64_t kSliceElems = kParts * 2 * kTileElems;  // one slice of a block or a panel, split
 
 // 16 fp32 values rounded to bf16 (to nearest even), each in the low half of its 32-bit lane.
 PAGEDSERVE_AMX inline __m512i to_bf16(__m512 v) {
@@ -183,15 +182,6 @@ inline int64_t chunk_blocks(int64_t blocks, int64_t slices) {
   return (blocks + chunks - 1) / chunks;
 }
 
-// A thread's buffer for two split panels of `slices` slices, aligned for the 64-byte stores; kept
-// across calls.
-uint16_t* panel_buffer(int64_t slices) {
-  thread_local std::vector<uint16_t> storage;
-  const size_t need = static_cast<size_t>(2 * slices * kSliceElems + 32);
-  if (storage.size() < need) storage.resize(need);
-  return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
-}
-
 // Panels [p0, p1) of y [M, N] (row stride N) from x split at xs (split_block's blocks, in order),
 // plus the bias. Pipelined: the steps (each panel, for each chunk of row blocks) alternate between
 // two panel buffers; while a step's blocks compute, the next step's panel is split into the other
@@ -203,7 +193,7 @@ PAGEDSERVE_AMX void amx_panels(const uint16_t* xs, const float* w, const float* 
   if (p0 >= p1) return;
   amx::configure_tiles();
   const int64_t slices = (K + kSlice - 1) / kSlice, blocks = (M + kRows - 1) / kRows, units = slices * 16;
-  uint16_t* buffers[2] = {panel_buffer(slices), nullptr};
+  uint16_t* buffers[2] = {amx::thread_buffer(2 * slices * kSliceElems), nullptr};
   buffers[1] = buffers[0] + slices * kSliceElems;
   alignas(64) float c[kRows * kPanel];
   const int64_t chunk = chunk_blocks(blocks, slices), panels = p1 - p0;
@@ -262,8 +252,7 @@ torch::Tensor fp32_amx_linear(torch::Tensor x, torch::Tensor packed, c10::option
                 "fp32_amx_linear: bias must be contiguous float32 [out_features]");
     bias32 = *bias;
   }
-  torch::Tensor y = output_for(x, N, torch::kFloat, out, "fp32_amx_linear");
-  if (M == 0) return y;
+  if (M == 0) return output_for(x, N, torch::kFloat, out, "fp32_amx_linear");
 #ifdef PAGEDSERVE_HAVE_AMX
   const int64_t slices = (K + kSlice - 1) / kSlice, blocks = (M + kRows - 1) / kRows;
   torch::Tensor split = torch::empty({blocks * slices * kSliceElems}, x.options().dtype(torch::kBFloat16));
@@ -278,6 +267,7 @@ torch::Tensor fp32_amx_linear(torch::Tensor x, torch::Tensor packed, c10::option
   // An infinity in x times a weight's mid or lo term of the other sign would add inf - inf: NaN
   // where the exact product is infinite. Such rare calls (an activation overflowed) take the FMAs.
   if (!finite) return fp32_fma_linear(x, packed, bias, out_features, out);
+  torch::Tensor y = output_for(x, N, torch::kFloat, out, "fp32_amx_linear");
   const float* w = packed.data_ptr<float>();
   const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   // By value, the split copy, the weights and the bias: under work_share.h the helper may run it late.
@@ -290,8 +280,10 @@ torch::Tensor fp32_amx_linear(torch::Tensor x, torch::Tensor packed, c10::option
   }
   void* dst = y.data_ptr();
   at::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) { columns(p0, p1, dst); });
-#endif
   return y;
+#else
+  return output_for(x, N, torch::kFloat, out, "fp32_amx_linear");
+#endif
 }
 
 }  // namespace pagedserve

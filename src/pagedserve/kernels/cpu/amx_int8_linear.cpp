@@ -29,7 +29,6 @@
 #include <ATen/Parallel.h>
 
 #include <cstring>
-#include <vector>
 
 #include "activations.h"
 #include "amx.h"
@@ -74,14 +73,8 @@ PAGEDSERVE_AMX void widen_panel(const int8_t* panel, int64_t K, uint16_t* tiles)
   for (int64_t s = 0; s < K / kSlice; ++s) widen_slice(panel + s * kSliceCodes, tiles + s * kSliceTiles, K * kPanel);
 }
 
-// A thread's buffer for `panels` widened panels of K (K x 32 bf16 each: 36 KB at K = 576), aligned
-// for the 64-byte stores; kept across calls.
-uint16_t* widened_buffer(int64_t K, int64_t panels) {
-  thread_local std::vector<uint16_t> storage;
-  const size_t need = static_cast<size_t>(panels * K * kPanel + 32);
-  if (storage.size() < need) storage.resize(need);
-  return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
-}
+// This thread's buffer for `panels` widened panels of K (K x 32 bf16 each: 36 KB at K = 576).
+uint16_t* widened_buffer(int64_t K, int64_t panels) { return amx::thread_buffer(panels * K * kPanel); }
 
 // A panel's codes and the two buffers its widened tiles alternate between: the tiles of panel p
 // are computed on while panel p + 1's are widened into the other buffer, slice by slice, in the
